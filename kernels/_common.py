@@ -1,0 +1,78 @@
+"""Helpers shared by the Triton launchers: argument checks and compile specs.
+
+Every launcher describes each (kernel, constexprs, num_warps, num_stages) it can launch
+as a :class:`LaunchSpec`; ``kernels/smem_check.py`` compiles exactly those for a
+consumer-card target to prove they fit its shared memory.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Triton signature strings for the element types the launchers accept.
+TRITON_DTYPE = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.int8: "i8",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One compiled variant of a kernel: what ``triton.compile(ASTSource(...))`` needs.
+
+    ``signature`` maps every argument name to a Triton type string (``"*fp16"``, ``"i32"``,
+    ``"constexpr"``); ``constexprs`` gives the value of each ``constexpr`` argument.
+    """
+
+    name: str
+    kernel: Any  # the @triton.jit function (a JITFunction when not interpreting)
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    num_warps: int
+    num_stages: int = 1
+    tags: dict[str, Any] = field(default_factory=dict)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def check_device(name: str, *tensors: torch.Tensor | None) -> torch.device:
+    """All given tensors on one device, which Triton can run on.
+
+    Raises:
+        ValueError: tensors on different devices, or on CPU without ``TRITON_INTERPRET=1``.
+    """
+    present = [t for t in tensors if t is not None]
+    dev = present[0].device
+    for t in present[1:]:
+        if t.device != dev:
+            raise ValueError(f"{name}: all tensors must be on one device, got {dev} and {t.device}")
+    if dev.type != "cuda" and not (dev.type == "cpu" and interpreting()):
+        raise ValueError(
+            f"{name}: tensors on {dev}; the Triton kernels need CUDA (or CPU with TRITON_INTERPRET=1). "
+            "Use lightinfer.kernels.reference on CPU."
+        )
+    return dev
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 on the CPU interpreter, to keep grids small)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= ``n`` (>= 1)."""
+    return 1 << max(0, (int(n) - 1).bit_length())

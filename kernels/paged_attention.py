@@ -1,0 +1,412 @@
+"""Paged attention over the (fp16/bf16/fp32 or INT8) KV cache: decode and prefill.
+
+Cache layout: ``reference`` module docstring. INT8 K/V are never dequantized element by element:
+with per-token ``k = kq * ks + kz`` and ``v = vq * vs + vz``,
+
+    q . k_n      = ks_n * (q . kq_n) + kz_n * sum(q)        (int8 codes are exact in fp16/bf16)
+    sum_n p_n v_n = (p * vs) @ vq + sum_n p_n vz_n
+
+so the tensor cores see the raw codes and the scale/zero cost is per token, not per element.
+
+Decode (one query token per sequence): one program per (sequence, KV head, context partition)
+handles all query heads of the GQA group as rows of one ``tl.dot`` tile, so each K/V byte is
+read once per group. Contexts longer than ``PARTITION_SIZE`` are split (flash-decoding): each
+partition writes an unnormalised partial output with its running max and sum, and a reduction
+kernel combines them. Prefill: one program per (sequence, block of new tokens, query head),
+causal over the cached prefix plus the new tokens (already stored), all sequences in one launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import FLOAT_DTYPES, TRITON_DTYPE, LaunchSpec, check_device, next_pow2
+
+# PROVISIONAL (not yet measured on a GPU): tokens per decode partition. Contexts up to this
+# length run in one kernel; longer ones are split and reduced.
+PARTITION_SIZE = 512
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Tile: ``block_n`` keys per step for head sizes up to ``max_head_dim``."""
+
+    max_head_dim: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+DECODE_CONFIGS: list[AttnConfig] = [AttnConfig(128, 64, 4, 2), AttnConfig(256, 32, 4, 2)]
+PREFILL_CONFIGS: list[AttnConfig] = [AttnConfig(128, 64, 4, 2), AttnConfig(256, 32, 8, 2)]
+PREFILL_BLOCK_M = 64
+REDUCE_NUM_WARPS = 4
+HEAD_DIMS = (64, 128, 256)  # head sizes the smem check compiles
+GQA_GROUPS = (1, 4, 8)
+
+
+def _config(configs: list[AttnConfig], head_dim: int) -> AttnConfig:
+    for c in configs:
+        if head_dim <= c.max_head_dim:
+            return c
+    raise ValueError(f"paged attention: head_dim {head_dim} > {configs[-1].max_head_dim} is not supported")
+
+
+@triton.jit
+def _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_row_ptr,
+                 tok, t_mask, allowed, offs_d, d_mask, kvh, block_size,
+                 stride_cb, stride_co, stride_ch, stride_sb, stride_so, qk_scale, QUANT: tl.constexpr):
+    """One online-softmax step over keys ``tok`` [BLOCK_N]; ``allowed`` [ROWS, BLOCK_N] masks scores."""
+    page = tok // block_size
+    phys = tl.load(bt_row_ptr + page, mask=t_mask, other=0).to(tl.int64)
+    in_blk = tok % block_size
+    row = phys * stride_cb + in_blk * stride_co + kvh * stride_ch  # [BLOCK_N]
+    kv_mask = t_mask[:, None] & d_mask[None, :]
+    k = tl.load(kc_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0)
+    v = tl.load(vc_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [ROWS, BLOCK_N] fp32
+    if QUANT:
+        srow = phys * stride_sb + in_blk * stride_so + kvh
+        ks = tl.load(ks_ptr + srow, mask=t_mask, other=0.0).to(tl.float32)
+        kz = tl.load(kz_ptr + srow, mask=t_mask, other=0.0).to(tl.float32)
+        s = s * ks[None, :] + qsum[:, None] * kz[None, :]
+    s = tl.where(allowed, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    if QUANT:
+        vs = tl.load(vs_ptr + srow, mask=t_mask, other=0.0).to(tl.float32)
+        vz = tl.load(vz_ptr + srow, mask=t_mask, other=0.0).to(tl.float32)
+        acc = tl.dot((p * vs[None, :]).to(q.dtype), v.to(q.dtype), acc)
+        acc += tl.sum(p * vz[None, :], axis=1)[:, None]
+    else:
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    qk_scale, head_dim, block_size, partition_size, max_splits,
+    stride_qs, stride_qh, stride_os, stride_oh, stride_bts,
+    stride_cb, stride_co, stride_ch, stride_sb, stride_so,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    QUANT: tl.constexpr, SPLIT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    part = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + seq)
+    start = part * partition_size
+    if start >= ctx:
+        return  # the reduction reads only the partitions that hold tokens
+    end = tl.minimum(start + partition_size, ctx)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < head_dim
+    heads = kvh * GROUP + offs_g
+    q_mask = g_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+    qsum = tl.sum(q.to(tl.float32), axis=1)
+    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bts
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        t_mask = tok < end
+        allowed = (offs_g[:, None] >= 0) & t_mask[None, :]
+        acc, m_i, l_i = _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
+                                     bt_row_ptr, tok, t_mask, allowed, offs_d, d_mask, kvh, block_size,
+                                     stride_cb, stride_co, stride_ch, stride_sb, stride_so, qk_scale, QUANT)
+    if SPLIT:
+        # partials: acc [num_seqs, num_heads, max_splits, BLOCK_D], (m, l) [num_seqs, num_heads, max_splits, 2]
+        base = (seq * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * max_splits + part
+        tl.store(part_acc_ptr + base[:, None] * BLOCK_D + offs_d[None, :], acc, mask=q_mask)
+        tl.store(part_ml_ptr + base * 2, m_i, mask=g_mask)
+        tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=g_mask)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_acc_ptr, part_ml_ptr, ctx_ptr, out_ptr, head_dim, partition_size, max_splits, stride_os, stride_oh,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    ctx = tl.load(ctx_ptr + seq)
+    n_parts = tl.cdiv(ctx, partition_size)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < n_parts
+    base = (seq * tl.num_programs(1) + head).to(tl.int64) * max_splits + offs_s  # [BLOCK_S]
+    m = tl.load(part_ml_ptr + base * 2, mask=s_mask, other=float("-inf"))
+    l_part = tl.load(part_ml_ptr + base * 2 + 1, mask=s_mask, other=0.0)
+    w = tl.exp2(m - tl.max(m, axis=0))  # 0 for empty partitions
+    w = tl.where(s_mask, w, 0.0)
+    acc = tl.load(part_acc_ptr + base[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(w * l_part, axis=0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < head_dim)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, kc_ptr, vc_ptr, cu_ptr, ctx_ptr, bt_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, out_ptr,
+    qk_scale, head_dim, block_size,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bts,
+    stride_cb, stride_co, stride_ch, stride_sb, stride_so,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    QUANT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    qb = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_ptr + seq)
+    q_len = tl.load(cu_ptr + seq + 1) - q_start
+    if qb * BLOCK_M >= q_len:
+        return  # the grid covers the longest possible sequence; most programs of short ones exit here
+    ctx = tl.load(ctx_ptr + seq)
+    prefix = ctx - q_len
+    kvh = head // GROUP
+    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < head_dim
+    q_mask = m_mask[:, None] & d_mask[None, :]
+    tok_q = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + tok_q[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+    qsum = tl.sum(q.to(tl.float32), axis=1)
+    pos = prefix + offs_m  # absolute position of each query: it sees keys 0..pos
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bts
+    hi = tl.minimum(ctx, prefix + (qb + 1) * BLOCK_M)
+    for n0 in range(0, hi, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        t_mask = tok < ctx
+        allowed = (tok[None, :] <= pos[:, None]) & t_mask[None, :]
+        acc, m_i, l_i = _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
+                                     bt_row_ptr, tok, t_mask, allowed, offs_d, d_mask, kvh, block_size,
+                                     stride_cb, stride_co, stride_ch, stride_sb, stride_so, qk_scale, QUANT)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + tok_q[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _check_cache(name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, aux: tuple[torch.Tensor | None, ...]) -> tuple[bool, int]:
+    """Validate q/cache/aux; returns ``(quant, group)``. Raises ValueError."""
+    if q.dim() != 3 or q.dtype not in FLOAT_DTYPES or q.stride(2) != 1:
+        raise ValueError(f"{name}: q must be float [*, num_heads, head_dim] with stride 1 on head_dim, "
+                         f"got {tuple(q.shape)} {q.dtype}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError(f"{name}: k_cache/v_cache must be [num_blocks, block_size, num_kv_heads, head_dim] with "
+                         f"equal strides, got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if k_cache.stride(3) != 1 or k_cache.shape[3] != q.shape[2] or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"{name}: cache head_dim {k_cache.shape[3]} vs q {q.shape[2]}, dtypes {k_cache.dtype}/"
+                         f"{v_cache.dtype}, stride on head_dim {k_cache.stride(3)}")
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"{name}: num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+    if block_tables.dim() != 2 or block_tables.dtype not in (torch.int32, torch.int64) or block_tables.stride(1) != 1:
+        raise ValueError(f"{name}: block_tables must be int32/int64 [num_seqs, max_num_blocks], row-contiguous")
+    quant = k_cache.dtype == torch.int8
+    if quant:
+        want = k_cache.shape[:3]
+        if any(t is None or t.shape != want or t.dtype != torch.float16 or not t.is_contiguous() for t in aux):
+            raise ValueError(f"{name}: an int8 cache needs contiguous float16 k_scale, k_zero, v_scale, v_zero "
+                             f"of shape {tuple(want)}")
+    elif k_cache.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name}: cache dtype {k_cache.dtype} not in fp16/bf16/fp32/int8")
+    check_device(name, q, k_cache, v_cache, block_tables, *(aux if quant else ()))
+    return quant, num_heads // num_kv_heads
+
+
+def paged_attention_decode_impl(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None, k_zero: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None, v_zero: torch.Tensor | None = None, *, partition_size: int | None = None,
+) -> torch.Tensor:
+    """:func:`paged_attention_decode` with the partition size forced (tests, bench)."""
+    aux = (k_scale, k_zero, v_scale, v_zero)
+    quant, group = _check_cache("paged_attention_decode", q, k_cache, v_cache, block_tables, aux)
+    num_seqs, num_heads, head_dim = q.shape
+    if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
+        raise ValueError(f"paged_attention_decode: block_tables {tuple(block_tables.shape)} / context_lens "
+                         f"{tuple(context_lens.shape)} do not match num_seqs={num_seqs}")
+    check_device("paged_attention_decode", q, context_lens)
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    cfg = _config(DECODE_CONFIGS, head_dim)
+    part = partition_size or PARTITION_SIZE
+    if part % cfg.block_n:
+        raise ValueError(f"paged_attention_decode: partition_size {part} must be a multiple of {cfg.block_n}")
+    block_size = k_cache.shape[1]
+    max_ctx = block_tables.shape[1] * block_size  # host-side bound: no device sync for max(context_lens)
+    num_splits = max(1, triton.cdiv(max_ctx, part))
+    split = num_splits > 1
+    if not split:
+        part = max(max_ctx, 1)
+    block_d = max(16, next_pow2(head_dim))
+    if split:
+        part_acc = torch.empty((num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((num_seqs, num_heads, num_splits, 2), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    ks, kz, vs, vz = aux if quant else (k_cache,) * 4
+    sb, so = (k_scale.stride(0), k_scale.stride(1)) if quant else (0, 0)
+    log2e = 1.4426950408889634
+    _decode_kernel[(num_seqs, k_cache.shape[2], num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, ks, kz, vs, vz, out, part_acc, part_ml,
+        scale * log2e, head_dim, block_size, part, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sb, so,
+        GROUP=group, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        QUANT=quant, SPLIT=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_acc, part_ml, context_lens, out, head_dim, part, num_splits, out.stride(0), out.stride(1),
+            BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d, num_warps=REDUCE_NUM_WARPS,
+        )
+    return out
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    k_zero: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    v_zero: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One new query token per sequence against its whole cached context.
+
+    Args:
+        q: float ``[num_seqs, num_heads, head_dim]`` (head_dim <= 256), stride 1 on head_dim.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float or int8.
+        block_tables: int32 ``[num_seqs, max_num_blocks]`` (unused entries -1).
+        context_lens: int32 ``[num_seqs]`` tokens in the cache (>= 1), the new one included.
+        scale: softmax scale (usually ``head_dim ** -0.5``).
+        k_scale, k_zero, v_scale, v_zero: float16 ``[num_blocks, block_size, num_kv_heads]`` for int8.
+    Returns:
+        ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``.
+    Raises:
+        ValueError: on bad shapes, dtypes, strides or devices.
+    """
+    return paged_attention_decode_impl(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                       k_scale, k_zero, v_scale, v_zero)
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    k_zero: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    v_zero: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of new tokens over cached prefix blocks plus themselves (already stored).
+
+    Args:
+        q: float ``[num_tokens, num_heads, head_dim]``, sequences concatenated.
+        cu_seqlens_q: int32 ``[num_seqs + 1]`` offsets of each sequence's new tokens in ``q``.
+        context_lens: int32 ``[num_seqs]`` total tokens in the cache per sequence (prefix + new).
+        block_tables: int32 ``[num_seqs, max_num_blocks]``.
+        Others as :func:`paged_attention_decode`.
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
+    Raises:
+        ValueError: on bad shapes, dtypes, strides or devices.
+    """
+    aux = (k_scale, k_zero, v_scale, v_zero)
+    quant, group = _check_cache("paged_attention_prefill", q, k_cache, v_cache, block_tables, aux)
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = cu_seqlens_q.numel() - 1
+    if cu_seqlens_q.dim() != 1 or num_seqs < 0 or context_lens.shape != (num_seqs,) or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"paged_attention_prefill: cu_seqlens_q {tuple(cu_seqlens_q.shape)}, context_lens "
+                         f"{tuple(context_lens.shape)}, block_tables {tuple(block_tables.shape)} disagree on num_seqs")
+    check_device("paged_attention_prefill", q, cu_seqlens_q, context_lens)
+    out = torch.empty_like(q)
+    if num_tokens == 0 or num_seqs <= 0:
+        return out
+    cfg = _config(PREFILL_CONFIGS, head_dim)
+    ks, kz, vs, vz = aux if quant else (k_cache,) * 4
+    sb, so = (k_scale.stride(0), k_scale.stride(1)) if quant else (0, 0)
+    grid = (num_seqs, triton.cdiv(num_tokens, PREFILL_BLOCK_M), num_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, ks, kz, vs, vz, out,
+        scale * 1.4426950408889634, head_dim, k_cache.shape[1],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sb, so,
+        GROUP=group, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_D=max(16, next_pow2(head_dim)),
+        QUANT=quant, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- compile specs
+
+
+def launch_specs() -> list[LaunchSpec]:
+    """Kernel variants for the smem check: fp16 queries, fp16 and int8 caches, head sizes, GQA groups."""
+    specs: list[LaunchSpec] = []
+    cache_ints = ["stride_cb", "stride_co", "stride_ch", "stride_sb", "stride_so"]
+    for cache_dt in (torch.float16, torch.int8):
+        c = "*" + TRITON_DTYPE[cache_dt]
+        ptrs = {"kc_ptr": c, "vc_ptr": c, "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "*fp16", "vz_ptr": "*fp16"}
+        for d in HEAD_DIMS:
+            dc = _config(DECODE_CONFIGS, d)
+            for group in GQA_GROUPS:
+                for split in (False, True):
+                    ce = dict(GROUP=group, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=dc.block_n, BLOCK_D=d,
+                              QUANT=cache_dt == torch.int8, SPLIT=split)
+                    sig = {"q_ptr": "*fp16", **ptrs, "bt_ptr": "*i32", "ctx_ptr": "*i32", "out_ptr": "*fp16",
+                           "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qk_scale": "fp32",
+                           **dict.fromkeys(["head_dim", "block_size", "partition_size", "max_splits", "stride_qs",
+                                            "stride_qh", "stride_os", "stride_oh", "stride_bts", *cache_ints], "i32"),
+                           **dict.fromkeys(ce, "constexpr")}
+                    specs.append(LaunchSpec(f"attn_decode[{cache_dt}]", _decode_kernel, sig, ce, dc.num_warps,
+                                            dc.num_stages))
+            pc = _config(PREFILL_CONFIGS, d)
+            ce = dict(GROUP=4, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=pc.block_n, BLOCK_D=d, QUANT=cache_dt == torch.int8)
+            sig = {"q_ptr": "*fp16", **ptrs, "cu_ptr": "*i32", "ctx_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*fp16",
+                   "qk_scale": "fp32",
+                   **dict.fromkeys(["head_dim", "block_size", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
+                                    "stride_bts", *cache_ints], "i32"),
+                   **dict.fromkeys(ce, "constexpr")}
+            specs.append(LaunchSpec(f"attn_prefill[{cache_dt}]", _prefill_kernel, sig, ce, pc.num_warps, pc.num_stages))
+    for d in HEAD_DIMS:
+        for bs in (2, 16, 64):
+            ce = dict(BLOCK_S=bs, BLOCK_D=d)
+            sig = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "ctx_ptr": "*i32", "out_ptr": "*fp16",
+                   **dict.fromkeys(["head_dim", "partition_size", "max_splits", "stride_os", "stride_oh"], "i32"),
+                   **dict.fromkeys(ce, "constexpr")}
+            specs.append(LaunchSpec("attn_decode_reduce", _decode_reduce_kernel, sig, ce, REDUCE_NUM_WARPS, 1))
+    return specs

@@ -1,0 +1,392 @@
+"""W4A16 GEMM: ``y[M, N] = x[M, K] @ dequant(W)[K, N] (+ bias)`` with 4-bit AWQ weights.
+
+Weights are in the run-time layout of :mod:`lightinfer.kernels.reference`::
+
+    qweight int32 [N, K // 8]   nibble i of word j of row n = code of (k = 8 j + i, n)
+    scales  [K // G, N], zeros [K // G, N] (integer zero point as a float)
+    w[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]
+
+Three paths, picked by M (see ``GEMV_MAX_M`` / ``TILED_MAX_M``):
+
+* ``gemv``   (decode, M tiny): memory-bound. Each program owns ``BLOCK_N`` output rows and a
+  slice of the K groups (split-K), unpacks every weight word once into fp32 registers and
+  reuses it for all M rows. Per group it accumulates ``s * (sum_k x q - z * sum_k x)``, so
+  the zero point and scale cost nothing per weight.
+* ``tiled``  (M up to a few hundred): tensor cores. ``[BLOCK_N, BLOCK_K]`` weight tiles are
+  dequantized in registers and fed to ``tl.dot`` with fp32 accumulation; split-K when the
+  M x N grid alone would leave SMs idle.
+* ``dequant`` (large M, compute-bound): dequantize W once into a dense ``[N, K]`` tensor with a
+  Triton kernel and hand the GEMM to torch (cuBLAS).
+
+Split-K programs add fp32 partial sums into a zeroed fp32 buffer with atomics (bias added by
+the first split), which is then cast to ``x.dtype``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import FLOAT_DTYPES, TRITON_DTYPE, LaunchSpec, check_device, next_pow2, num_sms
+
+# ----------------------------------------------------------------------------- crossovers
+# PROVISIONAL: chosen from first principles, not yet measured. bench/kernels.py measures every
+# path at every M on the Llama shapes; update these two numbers from its output.
+GEMV_MAX_M = 4  # M <= GEMV_MAX_M: split-K GEMV (each weight unpacked once, reused for M rows)
+TILED_MAX_M = 512  # GEMV_MAX_M < M <= TILED_MAX_M: tensor-core tiles; above: dequantize + cuBLAS
+MAX_SPLIT_K = 16
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """GEMV tile: ``block_n`` output rows x one quantization group of K per loop step."""
+
+    group_size: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class TiledConfig:
+    """Tensor-core tile ``[block_m, block_n]``, K step ``min(block_k, G)`` (one group per step)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# ~8K unpacked fp32 weights per program per step (64 registers/thread at 4 warps) whatever G is.
+GEMV_CONFIGS: list[GemvConfig] = [
+    GemvConfig(group_size=32, block_n=256, num_warps=4, num_stages=3),
+    GemvConfig(group_size=64, block_n=128, num_warps=4, num_stages=3),
+    GemvConfig(group_size=128, block_n=64, num_warps=4, num_stages=3),
+]
+# Picked by M: the smallest block_m >= M (tl.dot needs tiles >= 16).
+TILED_CONFIGS: list[TiledConfig] = [
+    TiledConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),
+    TiledConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3),
+    TiledConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3),
+    TiledConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
+]
+DEQUANT_BLOCK_N = 64
+DEQUANT_NUM_WARPS = 4
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _nibbles_to_f32(words, shifts):
+    """Exact fp32 value of the 4-bit codes ``(words >> shifts) & 0xF``.
+
+    OR-ing the code into the mantissa of 2^23 and subtracting 2^23 costs two full-rate ALU
+    ops; an int->float conversion (I2F) runs at a quarter of that rate on sm_80..sm_90,
+    which would make the GEMV compute-bound at M=1.
+    """
+    bits = ((words >> shifts) & 0xF) | 0x4B000000
+    return bits.to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _w4a16_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
+    M, N, stride_xm, stride_qn, stride_sg, stride_ym, num_groups, groups_per_split,
+    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
+):
+    WORDS: tl.constexpr = GROUP_SIZE // 8
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_w = tl.arange(0, WORDS)
+    offs_i = tl.arange(0, 8)
+    offs_m = tl.arange(0, BLOCK_M)
+    k_in_group = offs_w[:, None] * 8 + offs_i[None, :]  # [WORDS, 8]: natural nibble order
+    shifts = (offs_i * 4)[None, None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    g_start = pid_k * groups_per_split
+    g_end = tl.minimum(g_start + groups_per_split, num_groups)
+    for g in range(g_start, g_end):
+        words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (g * WORDS + offs_w)[None, :],
+                        mask=n_mask[:, None], other=0)
+        q = _nibbles_to_f32(words[:, :, None], shifts)  # [BLOCK_N, WORDS, 8]
+        s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        for m in tl.static_range(BLOCK_M):
+            xm = tl.load(x_ptr + m * stride_xm + g * GROUP_SIZE + k_in_group,
+                         mask=(k_in_group * 0 + m) < M, other=0.0).to(tl.float32)  # [WORDS, 8]
+            dot = tl.sum(tl.sum(q * xm[None, :, :], axis=2), axis=1)  # [BLOCK_N]
+            xsum = tl.sum(tl.sum(xm, axis=1), axis=0)
+            part = s * (dot - z * xsum)
+            acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        acc += tl.where(pid_k == 0, b, 0.0)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    y_mask = (offs_m[:, None] < M) & n_mask[None, :]
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, acc, mask=y_mask)
+    else:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def _w4a16_tiled_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
+    M, N, stride_xm, stride_qn, stride_sg, stride_ym, num_k_steps, steps_per_split,
+    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
+):
+    # BLOCK_K divides GROUP_SIZE, so one K step lies in one group: one scale/zero per column.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    shifts = (tl.arange(0, 8) * 4)[None, None, :]
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    t_start = pid_k * steps_per_split
+    t_end = tl.minimum(t_start + steps_per_split, num_k_steps)
+    for t in range(t_start, t_end):
+        k0 = t * BLOCK_K
+        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                    mask=m_mask[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
+        words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :],
+                        mask=n_mask[:, None], other=0)  # [BLOCK_N, BLOCK_K // 8]
+        g = k0 // GROUP_SIZE
+        s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        q = tl.reshape(_nibbles_to_f32(words[:, :, None], shifts), (BLOCK_N, BLOCK_K))
+        w = ((q - z[:, None]) * s[:, None]).to(a.dtype)  # [BLOCK_N, BLOCK_K]
+        acc = tl.dot(a, tl.trans(w), acc)
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        acc += tl.where(pid_k == 0, b, 0.0)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    y_mask = m_mask[:, None] & n_mask[None, :]
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, acc, mask=y_mask)
+    else:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def _w4_dequant_kernel(
+    qw_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_qn, stride_sg, stride_wn,
+    GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # One program: BLOCK_N rows x one group of K -> dense w [N, K] (nn.Linear orientation).
+    WORDS: tl.constexpr = GROUP_SIZE // 8
+    pid_n = tl.program_id(0)
+    g = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (g * WORDS + tl.arange(0, WORDS))[None, :],
+                    mask=n_mask[:, None], other=0)
+    shifts = (tl.arange(0, 8) * 4)[None, None, :]
+    q = tl.reshape(_nibbles_to_f32(words[:, :, None], shifts), (BLOCK_N, GROUP_SIZE))
+    s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    w = (q - z[:, None]) * s[:, None]
+    offs_k = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
+    tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], w.to(w_ptr.dtype.element_ty),
+             mask=n_mask[:, None] & (offs_k[None, :] < K))
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def _validate(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[int, int, int, int]:
+    """Check shapes/dtypes/devices/strides; returns ``(M, N, K, G)``. Raises ValueError."""
+    if x.dim() != 2 or qweight.dim() != 2 or scales.dim() != 2:
+        raise ValueError(f"w4a16_gemm: x, qweight, scales must be 2-D, got {x.dim()}, {qweight.dim()}, {scales.dim()}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"w4a16_gemm: x must be float16/bfloat16/float32, got {x.dtype}")
+    if qweight.dtype != torch.int32:
+        raise ValueError(f"w4a16_gemm: qweight must be int32 [N, K // 8], got {qweight.dtype}")
+    if scales.dtype not in FLOAT_DTYPES or zeros.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"w4a16_gemm: scales/zeros must be float, got {scales.dtype}/{zeros.dtype}")
+    m, k = x.shape
+    n = qweight.shape[0]
+    if qweight.shape[1] * 8 != k:
+        raise ValueError(f"w4a16_gemm: x has K={k} but qweight {tuple(qweight.shape)} holds K={qweight.shape[1] * 8}")
+    if n == 0 or n % 8:
+        raise ValueError(f"w4a16_gemm: N={n} must be a positive multiple of 8")
+    if scales.shape[1] != n or zeros.shape != scales.shape or scales.shape[0] == 0 or k % scales.shape[0]:
+        raise ValueError(
+            f"w4a16_gemm: scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} must both be [K // G, N] "
+            f"with K={k}, N={n}"
+        )
+    g = k // scales.shape[0]
+    if g not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"w4a16_gemm: group size {g} (K={k} / {scales.shape[0]} groups) not in {SUPPORTED_GROUP_SIZES}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype not in FLOAT_DTYPES):
+        raise ValueError(f"w4a16_gemm: bias must be a float [N={n}] tensor, got {tuple(bias.shape)} {bias.dtype}")
+    if x.stride(1) != 1:
+        raise ValueError(f"w4a16_gemm: x must be contiguous along K (strides {x.stride()})")
+    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("bias", bias)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"w4a16_gemm: {name} must be contiguous (strides {t.stride()})")
+    check_device("w4a16_gemm", x, qweight, scales, zeros, bias)
+    return m, n, k, g
+
+
+def gemv_config(group_size: int) -> GemvConfig:
+    """The GEMV configuration used for ``group_size``."""
+    return next(c for c in GEMV_CONFIGS if c.group_size == group_size)
+
+
+def tiled_config(m: int) -> TiledConfig:
+    """The tensor-core configuration used for ``m`` rows: smallest ``block_m >= m`` (else the largest)."""
+    return next((c for c in TILED_CONFIGS if c.block_m >= m), TILED_CONFIGS[-1])
+
+
+def pick_path(m: int) -> str:
+    """``"gemv"``, ``"tiled"`` or ``"dequant"`` for ``m`` rows (crossovers at the top of this file)."""
+    return "gemv" if m <= GEMV_MAX_M else ("tiled" if m <= TILED_MAX_M else "dequant")
+
+
+def _split_k(num_programs_mn: int, num_k_steps: int, device: torch.device) -> int:
+    # Aim for about two waves of programs; never create an empty split.
+    target = 2 * num_sms(device)
+    if num_programs_mn >= target:
+        return 1
+    split = min(triton.cdiv(target, num_programs_mn), num_k_steps, MAX_SPLIT_K)
+    return triton.cdiv(num_k_steps, triton.cdiv(num_k_steps, split))
+
+
+def dequantize_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Run-time layout -> dense ``[N, K]`` weight in ``dtype`` (Triton twin of ``reference.dequantize_w4``)."""
+    n, k = qweight.shape[0], qweight.shape[1] * 8
+    g = k // scales.shape[0]
+    w = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    grid = (triton.cdiv(n, DEQUANT_BLOCK_N), k // g)
+    _w4_dequant_kernel[grid](qweight, scales, zeros, w, n, k, qweight.stride(0), scales.stride(0), w.stride(0),
+                             GROUP_SIZE=g, BLOCK_N=DEQUANT_BLOCK_N, num_warps=DEQUANT_NUM_WARPS)
+    return w
+
+
+def w4a16_gemm_path(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    path: str | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """:func:`w4a16_gemm` with the path (``"gemv"|"tiled"|"dequant"``) and split-K forced (tests, bench)."""
+    m, n, k, g = _validate(x, qweight, scales, zeros, bias)
+    path = path or pick_path(m)
+    if m == 0:
+        return torch.empty((0, n), dtype=x.dtype, device=x.device)
+    if path == "dequant":
+        w = dequantize_w4(qweight, scales, zeros, x.dtype)
+        return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+    if path == "gemv":
+        if m > GEMV_MAX_M * 4:
+            raise ValueError(f"w4a16_gemm: gemv path handles at most {GEMV_MAX_M * 4} rows, got M={m}")
+        cfg = gemv_config(g)
+        block_m, block_n, block_k = next_pow2(m), cfg.block_n, g
+        num_warps, num_stages = cfg.num_warps, cfg.num_stages
+        grid_mn = (1, triton.cdiv(n, block_n))
+    elif path == "tiled":
+        tcfg = tiled_config(m)
+        block_m, block_n, block_k = tcfg.block_m, tcfg.block_n, min(tcfg.block_k, g)
+        num_warps, num_stages = tcfg.num_warps, tcfg.num_stages
+        grid_mn = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    else:
+        raise ValueError(f"w4a16_gemm: unknown path {path!r}")
+    num_k_steps = k // block_k
+    split = split_k or _split_k(grid_mn[0] * grid_mn[1], num_k_steps, x.device)
+    steps_per_split = triton.cdiv(num_k_steps, split)
+    split = triton.cdiv(num_k_steps, steps_per_split)
+    atomic = split > 1
+    y = torch.zeros((m, n), dtype=torch.float32, device=x.device) if atomic else torch.empty(
+        (m, n), dtype=x.dtype, device=x.device)
+    bias_arg = bias if bias is not None else y
+    common = dict(HAS_BIAS=bias is not None, ATOMIC=atomic, num_warps=num_warps, num_stages=num_stages)
+    if path == "gemv":
+        _w4a16_gemv_kernel[(grid_mn[1], split)](
+            x, qweight, scales, zeros, bias_arg, y, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
+            y.stride(0), num_k_steps, steps_per_split, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n, **common)
+    else:
+        _w4a16_tiled_kernel[(grid_mn[0], grid_mn[1], split)](
+            x, qweight, scales, zeros, bias_arg, y, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
+            y.stride(0), num_k_steps, steps_per_split, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, **common)
+    return y.to(x.dtype) if atomic else y
+
+
+def w4a16_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``y[M, N] = x[M, K] @ dequant(W)[K, N] (+ bias)``, fp32 accumulation, returned in ``x.dtype``.
+
+    Args:
+        x: ``[M, K]`` float16/bfloat16 (float32 accepted for the CPU interpreter), stride 1 along K.
+        qweight: int32 ``[N, K // 8]`` contiguous, run-time layout (module docstring).
+        scales, zeros: float ``[K // G, N]`` contiguous, G in 32/64/128.
+        bias: optional float ``[N]``.
+    Returns:
+        ``[M, N]`` in ``x.dtype``.
+    Raises:
+        ValueError: bad shapes, dtypes, strides or devices (CPU needs ``TRITON_INTERPRET=1``).
+    """
+    return w4a16_gemm_path(x, qweight, scales, zeros, bias)
+
+
+# ----------------------------------------------------------------------------- compile specs
+
+
+def launch_specs(dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> list[LaunchSpec]:
+    """Every kernel variant the launcher can start (per activation dtype), for the smem check."""
+    specs: list[LaunchSpec] = []
+    for dt in dtypes:
+        f = "*" + TRITON_DTYPE[dt]
+        base = {"x_ptr": f, "qw_ptr": "*i32", "s_ptr": f, "z_ptr": f, "bias_ptr": f}
+        ints = ["M", "N", "stride_xm", "stride_qn", "stride_sg", "stride_ym"]
+        for cfg in GEMV_CONFIGS:
+            for block_m in sorted({next_pow2(m) for m in range(1, GEMV_MAX_M + 1)}):
+                for atomic in (False, True):
+                    sig = {**base, "y_ptr": "*fp32" if atomic else f, **{i: "i32" for i in ints},
+                           "num_groups": "i32", "groups_per_split": "i32"}
+                    ce = dict(GROUP_SIZE=cfg.group_size, BLOCK_M=block_m, BLOCK_N=cfg.block_n, HAS_BIAS=True,
+                              ATOMIC=atomic)
+                    specs.append(LaunchSpec(f"w4a16_gemv[{dt}]", _w4a16_gemv_kernel, {**sig, **dict.fromkeys(ce, "constexpr")},
+                                            ce, cfg.num_warps, cfg.num_stages))
+        for tcfg in TILED_CONFIGS:
+            for g in SUPPORTED_GROUP_SIZES:
+                for atomic in (False, True):
+                    sig = {**base, "y_ptr": "*fp32" if atomic else f, **{i: "i32" for i in ints},
+                           "num_k_steps": "i32", "steps_per_split": "i32"}
+                    ce = dict(GROUP_SIZE=g, BLOCK_M=tcfg.block_m, BLOCK_N=tcfg.block_n, BLOCK_K=min(tcfg.block_k, g),
+                              HAS_BIAS=True, ATOMIC=atomic)
+                    specs.append(LaunchSpec(f"w4a16_tiled[{dt}]", _w4a16_tiled_kernel,
+                                            {**sig, **dict.fromkeys(ce, "constexpr")}, ce, tcfg.num_warps,
+                                            tcfg.num_stages))
+        for g in SUPPORTED_GROUP_SIZES:
+            ce = dict(GROUP_SIZE=g, BLOCK_N=DEQUANT_BLOCK_N)
+            sig = {"qw_ptr": "*i32", "s_ptr": f, "z_ptr": f, "w_ptr": f, "N": "i32", "K": "i32", "stride_qn": "i32",
+                   "stride_sg": "i32", "stride_wn": "i32", **dict.fromkeys(ce, "constexpr")}
+            specs.append(LaunchSpec(f"w4_dequant[{dt}]", _w4_dequant_kernel, sig, ce, DEQUANT_NUM_WARPS, 1))
+    return specs

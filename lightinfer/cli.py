@@ -1,0 +1,95 @@
+"""The ``lightinfer`` command: ``generate``, plus ``quantize``/``eval-ppl`` and ``serve``/``demo``
+registered by their own packages."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from lightinfer.sampling_params import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that starts an engine."""
+    p.add_argument("model", help="Hugging Face folder, .gguf file, or smollm2-135m-instruct")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, tokens")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-vram", default=None, help="cap on GPU memory, e.g. 8GiB")
+    p.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 512MiB")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """EngineConfig fields from the flags of :func:`add_engine_args`."""
+    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                gpu_memory_utilization=args.gpu_memory_utilization, max_vram=args.max_vram,
+                kv_cache_memory_bytes=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
+                enforce_eager=args.enforce_eager)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from lightinfer.llm import LLM, apply_chat_template
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    llm = LLM(args.model, **engine_kwargs(args))
+    prompt: str | list[int] = args.prompt
+    if args.chat:
+        prompt = apply_chat_template(llm.tokenizer, [{"role": "user", "content": args.prompt}])
+    for piece in llm.stream(prompt, params):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lightinfer", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    add_engine_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.set_defaults(func=_generate)
+    for module in ("lightinfer.quant.commands", "lightinfer.entrypoints.commands", "lightinfer.bench_command"):
+        try:
+            mod = __import__(module, fromlist=["register"])
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue
+        mod.register(sub)  # each adds its own subcommands (they may use add_engine_args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; bad input exits 2 with a one-line error, never a traceback."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""EngineConfig: the one settings object every part of the engine takes."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+KV_CACHE_DTYPES = ("auto", "int8")
+CPU_DEFAULT_KV_CACHE_BYTES = 512 * 2**20  # a CPU has no memory profiler of ours: a fixed default
+
+
+def parse_bytes(value: int | str | None) -> int | None:
+    """``"8GiB"``, ``"512MB"``, ``"1.5G"`` or an int -> bytes (binary units for G/M/K). None stays None."""
+    if value is None or isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B)?\s*", str(value), flags=re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot read a memory size from {value!r}; write e.g. 8GiB, 512MiB or a byte count")
+    factor = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2).upper()]
+    return int(float(m.group(1)) * factor)
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` -> cuda when available, else cpu; anything else is passed to ``torch.device``."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA GPU; use device='cpu'")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``"auto"`` -> fp32 on CPU, bf16 on GPUs that support it, else fp16."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings, validated in ``__post_init__``.
+
+    Attributes:
+        model: a Hugging Face folder, a ``.gguf`` file or ``smollm2-135m-instruct``.
+        dtype: activation / weight dtype: "auto", "float32", "float16", "bfloat16".
+        device: "auto", "cpu" or "cuda[:i]".
+        max_model_len: longest sequence (prompt + output) in tokens; None = the model's
+            ``max_position_embeddings`` capped at 8192.
+        block_size: tokens per KV block.
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        kv_cache_dtype: "auto" (the model dtype) or "int8" (per-token asymmetric, see DESIGN.md).
+        kv_cache_memory_bytes: KV pool size in bytes (overrides the two below).
+        num_kv_blocks: KV pool size in blocks (overrides every size above; tests, benchmarks).
+        gpu_memory_utilization: share of the GPU's memory the engine may use (weights included).
+        max_vram: absolute cap on the engine's GPU memory, e.g. "8GiB".
+        enable_prefix_caching: reuse full KV blocks of identical prefixes.
+        enforce_eager: no CUDA graphs.
+        seed: seed of the shared generator for unseeded requests.
+        max_waiting: most queued requests before new ones are refused (serving).
+    """
+
+    model: str
+    dtype: str | torch.dtype = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory_bytes: int | str | None = None
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_vram: int | str | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    seed: int = 0
+    max_waiting: int = 256
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.block_size not in (8, 16, 32):
+            raise ValueError(f"block_size must be 8, 16 or 32 tokens, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= block_size ({self.block_size})"
+            )
+        if not (0.0 < self.gpu_memory_utilization <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
+        self.max_vram = parse_bytes(self.max_vram)
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        self.torch_device = resolve_device(self.device)
+        self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)

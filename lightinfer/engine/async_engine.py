@@ -1,0 +1,346 @@
+"""AsyncLLMEngine: one background thread drives ``LLMEngine.step()``; many asyncio clients stream.
+
+::
+
+    client coroutines (HTTP, Gradio)            engine thread (the only caller of LLMEngine)
+    ─────────────────────────────────           ─────────────────────────────────────────────
+    add_request() ──► command queue ──────────► engine.add_request()  ─► accepted / ValueError
+                                                loop: engine.step() ─► RequestOutputs
+    async for out in stream ◄── call_soon_threadsafe(stream.put) ◄──┘
+    abort()       ──► command queue ──────────► engine.abort_request()  (frees its KV blocks)
+
+The engine is not thread-safe, so every call to it happens on that one thread; clients only
+touch thread-safe queues and a stats snapshot. No lock is held around generation: all clients'
+requests run in the same continuous batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from lightinfer.outputs import RequestOutput
+from lightinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_FINISHED = object()  # end-of-stream sentinel put after an abort
+_MAX_CONSECUTIVE_STEP_FAILURES = 5  # then the engine is declared dead instead of spinning
+
+
+class EngineOverloadedError(RuntimeError):
+    """More than ``max_waiting`` requests are queued; the request was refused (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (shut down, or failed repeatedly); no request can be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """An engine step failed while this request was in it; the request was aborted."""
+
+
+class RequestObserver(Protocol):
+    """Receives per-request timing from the engine thread (e.g. Prometheus metrics)."""
+
+    def on_first_token(self, seconds: float) -> None: ...
+    def on_inter_token(self, seconds: float) -> None: ...
+    def on_finished(self, finish_reason: str, seconds: float) -> None: ...
+    def on_rejected(self) -> None: ...
+
+
+class RequestStream:
+    """The asyncio side of one request: an async iterator of cumulative ``RequestOutput``s.
+
+    Filled from the engine thread with :meth:`put`. When the reader is slower than the engine,
+    queued outputs are collapsed to the newest one (outputs are cumulative, nothing is lost).
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._done = False
+
+    def put(self, item: RequestOutput | BaseException | object) -> None:
+        """Thread-safe: hand an output, an exception or the end sentinel to the reader."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the client's event loop is closed: nobody is reading any more
+            pass
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while not self._queue.empty() and isinstance(item, RequestOutput) and not item.finished:
+            item = self._queue.get_nowait()  # newer cumulative output supersedes this one
+        if item is _FINISHED:
+            self._done = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finished:
+            self._done = True
+        return item
+
+
+@dataclass
+class _Tracked:
+    """Engine-thread bookkeeping of one in-flight request (timing for the observers)."""
+
+    stream: RequestStream
+    arrival: float
+    last_token_time: float | None = None
+    num_tokens: list[int] = field(default_factory=list)  # per completion
+
+
+class AsyncLLMEngine:
+    """Serve one ``LLMEngine`` to many asyncio clients.
+
+    Args:
+        engine: an ``LLMEngine`` (or anything with the same interface); from now on only the
+            background thread may call it.
+        max_waiting: most requests queued (submitted, not yet running) before new ones are
+            refused with :class:`EngineOverloadedError`; None = ``engine.config.max_waiting``.
+    """
+
+    def __init__(self, engine: Any, max_waiting: int | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_waiting = max_waiting if max_waiting is not None else engine.config.max_waiting
+        self._model_info = engine.model_info()
+        self._stats = engine.get_stats()
+        self._commands: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._num_pending = 0  # submitted, not yet handed to the engine
+        self._pending_lock = threading.Lock()
+        self._requests: dict[str, _Tracked] = {}  # engine thread only
+        self._observers: list[RequestObserver] = []
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._dead: str | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the background loop (idempotent)."""
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="lightinfer-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop; requests still in flight end with :class:`EngineDeadError`."""
+        self._stop.set()
+        self._commands.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        """True while the loop thread is alive and healthy."""
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    def add_observer(self, observer: RequestObserver) -> None:
+        """Register a receiver of per-request timing (called on the engine thread; keep it cheap)."""
+        self._observers.append(observer)
+
+    # ---------------------------------------------------------------- client API (any thread / loop)
+    def model_info(self) -> dict[str, Any]:
+        """The engine's ``model_info()``, read once at start (it does not change)."""
+        return dict(self._model_info)
+
+    def get_stats(self) -> Any:
+        """The newest ``EngineStats`` snapshot (taken on the engine thread after each step/command)."""
+        return self._stats
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        """A process-unique request id."""
+        return f"{prefix}-{next(self._ids)}-{time.monotonic_ns() % 10**9}"
+
+    async def add_request(
+        self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams
+    ) -> RequestStream:
+        """Submit a request and wait until the engine accepted it.
+
+        Returns:
+            the request's stream of cumulative outputs (the last one has ``finished=True``;
+            an aborted request's stream just ends).
+        Raises:
+            EngineOverloadedError: ``max_waiting`` requests are already queued.
+            EngineDeadError: the loop is not running.
+            ValueError: the engine refused the prompt or parameters (nothing was queued).
+        """
+        if not self.is_running:
+            raise EngineDeadError(self._dead or "the engine loop is not running")
+        with self._pending_lock:
+            if self._num_pending + self._stats.num_waiting >= self.max_waiting:
+                for obs in self._observers:
+                    obs.on_rejected()
+                raise EngineOverloadedError(
+                    f"server overloaded: {self.max_waiting} requests are already waiting; retry later"
+                )
+            self._num_pending += 1
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._commands.put(("add", request_id, prompt, sampling_params, stream, accepted))
+        try:
+            await asyncio.wrap_future(accepted)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # queued after the add: the engine drops it right away
+            raise
+        return stream
+
+    async def generate(
+        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit and stream; leaving the loop early (break, cancel, disconnect) aborts the request.
+
+        Raises: as :meth:`add_request`, and :class:`RequestFailedError` mid-stream.
+        """
+        request_id = request_id or self.new_request_id()
+        stream = await self.add_request(request_id, prompt, sampling_params)
+        finished = False
+        try:
+            async for out in stream:
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe: abort a request at the engine's next turn (its blocks are freed then).
+
+        Unknown or already finished ids are ignored; the request's stream ends.
+        """
+        self._commands.put(("abort", request_id))
+
+    # ---------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            self._drain_commands(block=not self.engine.has_unfinished_requests())
+            if self._stop.is_set() or not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # report to the affected requests; the loop lives on
+                failures += 1
+                logger.exception("engine step failed (%d in a row)", failures)
+                self._fail_all(RequestFailedError(f"engine step failed: {type(exc).__name__}: {exc}"))
+                if failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
+                    self._dead = f"engine failed {failures} steps in a row: {exc}"
+                    break
+                continue
+            failures = 0
+            self._stats = self.engine.get_stats()  # before dispatch: a finished client sees its blocks freed
+            self._dispatch(outputs)
+        reason = self._dead or "the engine was shut down"
+        self._fail_all(EngineDeadError(reason))
+        self._reject_queued(EngineDeadError(reason))
+
+    def _drain_commands(self, block: bool) -> None:
+        """Run queued adds/aborts in order; when idle, sleep until a command arrives."""
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        self._stats = self.engine.get_stats()
+
+    def _handle(self, cmd: tuple[Any, ...]) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, request_id, prompt, params, stream, accepted = cmd
+            with self._pending_lock:
+                self._num_pending -= 1
+            if not accepted.set_running_or_notify_cancel():  # the client gave up while queued
+                return
+            try:
+                if request_id in self._requests:
+                    raise ValueError(f"request id {request_id!r} is already in use")
+                self.engine.add_request(request_id, prompt, params)
+            except Exception as exc:  # only this request is refused
+                accepted.set_exception(exc if isinstance(exc, ValueError) else ValueError(str(exc)))
+                return
+            self._requests[request_id] = _Tracked(stream, time.monotonic(), num_tokens=[0] * params.n)
+            accepted.set_result(None)
+        elif kind == "abort":
+            tracked = self._requests.pop(cmd[1], None)
+            try:
+                self.engine.abort_request(cmd[1])
+            except Exception:
+                logger.exception("abort of %s failed", cmd[1])
+            if tracked is not None:
+                for obs in self._observers:
+                    obs.on_finished("abort", time.monotonic() - tracked.arrival)
+                tracked.stream.put(_FINISHED)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            tracked = self._requests.get(out.request_id)
+            if tracked is None:  # aborted meanwhile
+                continue
+            counts = [len(c.token_ids) for c in out.outputs]
+            if sum(counts) > sum(tracked.num_tokens):
+                for obs in self._observers:
+                    if tracked.last_token_time is None:
+                        obs.on_first_token(now - tracked.arrival)
+                    else:
+                        obs.on_inter_token(now - tracked.last_token_time)
+                tracked.last_token_time = now
+                tracked.num_tokens = counts
+            if out.finished:
+                del self._requests[out.request_id]
+                reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "stop")
+                for obs in self._observers:
+                    obs.on_finished(reason, now - tracked.arrival)
+            tracked.stream.put(out)
+
+    def _fail_all(self, exc: Exception) -> None:
+        """End every in-flight request with ``exc`` and drop it from the engine."""
+        for request_id, tracked in list(self._requests.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("abort of %s after a failed step failed", request_id)
+            tracked.stream.put(exc)
+            for obs in self._observers:
+                obs.on_finished("error", time.monotonic() - tracked.arrival)
+        self._requests.clear()
+        try:
+            self._stats = self.engine.get_stats()
+        except Exception:
+            pass
+
+    def _reject_queued(self, exc: Exception) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                with self._pending_lock:
+                    self._num_pending -= 1
+                if cmd[5].set_running_or_notify_cancel():
+                    cmd[5].set_exception(exc)

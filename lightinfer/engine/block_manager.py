@@ -1,0 +1,208 @@
+"""Paged KV cache bookkeeping with prefix caching.
+
+The pool is ``num_blocks`` blocks of ``block_size`` token slots. A sequence's ``block_table``
+lists its blocks; token ``i`` lives in slot ``block_table[i // block_size] * block_size +
+i % block_size``.
+
+Prefix caching (as in nano-vllm / vLLM): once a block is full *and computed*, it is registered
+under a chained hash ``h_i = sha256(h_{i-1} || tokens of block i)``. A new sequence whose first
+blocks hash the same (and hold the same tokens, checked on every hit) reuses them with a ref
+count. Freed blocks keep their hash and go to the back of the free queue, so the least recently
+used cached block is the first to be reused::
+
+    free queue:  [least recently freed ... most recently freed]
+                 allocation pops from the left; a cache hit on a free block takes it out.
+
+Only full blocks are ever shared; :meth:`BlockManager.fork` copies a partial last block
+(copy-on-fork) and returns the copies the model runner must make.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from lightinfer.engine.sequence import Sequence
+
+
+def chain_hash(prev: bytes, token_ids: list[int]) -> bytes:
+    """Hash of a full block given its predecessor's hash (b"" for the first block)."""
+    return hashlib.sha256(prev + array("q", token_ids).tobytes()).digest()
+
+
+class Block:
+    """One KV block: its id, ref count, and (once full and computed) hash and tokens."""
+
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: bytes | None = None
+        self.token_ids: list[int] = []
+
+
+class BlockManager:
+    """Allocates KV blocks to sequences; prefix caching by chained block hashes.
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: token slots per block.
+        enable_prefix_caching: look up and register full blocks.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block_id: dict[bytes, int] = {}
+        self.block_hashes: dict[int, list[bytes]] = {}  # seq_id -> hashes of its registered blocks
+        self.num_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_hits = 0  # of which served from it
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def usage(self) -> float:
+        """Share of blocks in use, 0..1."""
+        return 1.0 - self.num_free_blocks / max(1, self.num_blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    # ------------------------------------------------------------------ internals
+    def _take_free(self, block_id: int | None = None) -> Block:
+        if block_id is None:
+            block_id, _ = self.free_block_ids.popitem(last=False)
+        else:
+            del self.free_block_ids[block_id]
+        block = self.blocks[block_id]
+        assert block.ref_count == 0
+        block.ref_count = 1
+        return block
+
+    def _new_block(self) -> Block:
+        """A fresh block for new content: the least recently freed one, its old hash dropped."""
+        block = self._take_free()
+        if block.hash is not None and self.hash_to_block_id.get(block.hash) == block.block_id:
+            del self.hash_to_block_id[block.hash]
+        block.hash, block.token_ids = None, []
+        return block
+
+    def _cached_prefix(self, seq: Sequence) -> list[Block]:
+        """Blocks that hold this sequence's leading full blocks (at least one token left to compute)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[Block] = []
+        prev = b""
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+            prev = chain_hash(prev, tokens)
+            block_id = self.hash_to_block_id.get(prev)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:  # token check on every hit
+                break
+            hits.append(self.blocks[block_id])
+        return hits
+
+    # ------------------------------------------------------------------ API
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Whether :meth:`allocate` would find blocks for all of ``seq``'s current tokens."""
+        hits = self._cached_prefix(seq)
+        in_free_queue = sum(1 for b in hits if b.ref_count == 0)
+        needed = self.blocks_needed(seq.num_tokens) - len(hits) + in_free_queue
+        return needed <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give ``seq`` blocks for all its tokens, reusing cached prefix blocks.
+
+        Sets ``seq.block_table`` and ``seq.num_computed_tokens`` (the cached tokens); on the first
+        admission also ``seq.num_cached_tokens``. Raises RuntimeError when blocks run out (call
+        :meth:`can_allocate` first).
+        """
+        assert not seq.block_table, "allocate() on a sequence that already holds blocks"
+        if not self.can_allocate(seq):
+            raise RuntimeError("allocate() without enough free blocks; check can_allocate() first")
+        hits = self._cached_prefix(seq)
+        hashes: list[bytes] = []
+        for block in hits:
+            if block.ref_count == 0:
+                self._take_free(block.block_id)
+            else:
+                block.ref_count += 1
+            seq.block_table.append(block.block_id)
+            hashes.append(block.hash)  # type: ignore[arg-type]
+        for _ in range(self.blocks_needed(seq.num_tokens) - len(hits)):
+            seq.block_table.append(self._new_block().block_id)
+        self.block_hashes[seq.seq_id] = hashes
+        seq.num_computed_tokens = len(hits) * self.block_size
+        if not seq.admitted:
+            seq.admitted = True
+            seq.num_cached_tokens = seq.num_computed_tokens
+            if self.enable_prefix_caching:
+                self.num_queries += seq.num_tokens
+                self.num_hits += seq.num_computed_tokens
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether a slot for every token of ``seq`` can be provided (one new block at most)."""
+        return self.blocks_needed(seq.num_tokens) - len(seq.block_table) <= self.num_free_blocks
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Add blocks so that every token of ``seq`` has a slot (after a token was appended)."""
+        while len(seq.block_table) < self.blocks_needed(seq.num_tokens):
+            seq.block_table.append(self._new_block().block_id)
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Hash every block of ``seq`` that is now full and computed, for later prefix hits."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self.block_hashes.setdefault(seq.seq_id, [])
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        for i in range(len(hashes), num_full):
+            tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+            h = chain_hash(hashes[-1] if hashes else b"", tokens)
+            block = self.blocks[seq.block_table[i]]
+            block.hash, block.token_ids = h, tokens
+            self.hash_to_block_id.setdefault(h, block.block_id)
+            hashes.append(h)
+
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
+        """Share ``parent``'s blocks with ``child``; copy a partially filled last block.
+
+        Returns:
+            ``[(src_block_id, dst_block_id)]`` KV copies the model runner must make before the
+            next forward. Raises RuntimeError when no block is free for the copy.
+        """
+        copies: list[tuple[int, int]] = []
+        full = parent.num_tokens // self.block_size if parent.num_tokens % self.block_size == 0 else None
+        for i, block_id in enumerate(parent.block_table):
+            is_partial = full is None and i == len(parent.block_table) - 1
+            if is_partial:
+                if not self.free_block_ids:
+                    raise RuntimeError("no free block to copy the partial last block on fork")
+                dst = self._new_block()
+                copies.append((block_id, dst.block_id))
+                child.block_table.append(dst.block_id)
+            else:
+                self.blocks[block_id].ref_count += 1
+                child.block_table.append(block_id)
+        self.block_hashes[child.seq_id] = list(self.block_hashes.get(parent.seq_id, []))
+        return copies
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks (last block first, so a prompt's tail is evicted before its head)."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed more often than allocated"
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+        seq.block_table = []
+        self.block_hashes.pop(seq.seq_id, None)

@@ -1,0 +1,72 @@
+"""Incremental detokenization that never splits a UTF-8 character and holds back stop strings."""
+
+from __future__ import annotations
+
+# Prompt tokens decoded in front of the output: SentencePiece tokenizers drop a word's leading
+# space when it is decoded alone, so each piece is decoded with a little left context.
+_CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    """Turns one completion's token ids into text, a piece at a time.
+
+    The prefix/read-offset scheme (as in Hugging Face TGI / vLLM): decode the tokens since
+    ``prefix_offset`` and emit only what extends the text of ``[prefix_offset, read_offset)``;
+    a piece ending in U+FFFD (an incomplete UTF-8 sequence) waits for the next token.
+
+    Attributes:
+        text: the output text so far (full, before stop-string trimming).
+    """
+
+    def __init__(self, tokenizer: object, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.tokens: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int) -> str:
+        """Append one generated id; returns the new text (possibly empty)."""
+        self.tokens.append(token_id)
+        prefix_text = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.tokens[self.prefix_offset:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            piece = new_text[len(prefix_text):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            self.text += piece
+            return piece
+        return ""
+
+    def flush(self) -> str:
+        """At the end: whatever is still pending (an incomplete character is emitted as is)."""
+        prefix_text = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.tokens[self.prefix_offset:])
+        piece = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        self.prefix_offset = self.read_offset = len(self.tokens)
+        self.text += piece
+        return piece
+
+
+def find_stop(text: str, stops: list[str], search_from: int) -> tuple[int, str] | None:
+    """Earliest occurrence of any stop string in ``text[search_from:]``: ``(index, stop)`` or None."""
+    best: tuple[int, str] | None = None
+    for s in stops:
+        i = text.find(s, max(0, search_from))
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    return best
+
+
+def stop_holdback(text: str, stops: list[str]) -> int:
+    """Characters at the end of ``text`` that could still grow into a stop string."""
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return hold

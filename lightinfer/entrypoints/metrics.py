@@ -1,0 +1,99 @@
+"""Prometheus metrics of the server (``/metrics``), built with ``prometheus-client``.
+
+Two sources:
+- engine totals and gauges (running / waiting requests, KV cache usage, tokens, preemptions,
+  prefix cache) are read from the async engine's stats snapshot at scrape time, by a custom
+  collector, so the engine thread pays nothing for them;
+- per-request latencies (time to first token, inter-token latency, end-to-end) are histograms
+  fed by the async engine's observer hooks on the engine thread.
+
+Each server gets its own ``CollectorRegistry`` (no process-global state: tests build many apps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from lightinfer.engine.async_engine import AsyncLLMEngine
+
+PREFIX = "lightinfer_"
+# CPU decode runs at ~10-60 ms/token, a GPU at ~5-30 ms: buckets cover both, seconds.
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0)
+_E2E_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class _EngineStatsCollector(Collector):
+    """Exports the engine's ``EngineStats`` snapshot at scrape time."""
+
+    def __init__(self, engine: AsyncLLMEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.engine.get_stats()
+        gauges = {
+            "num_requests_running": ("Requests in the running batch.", s.num_running),
+            "num_requests_waiting": ("Requests queued for the batch.", s.num_waiting),
+            "kv_cache_usage_ratio": ("Share of KV cache blocks in use (0..1).", s.kv_cache_usage),
+            "kv_cache_free_blocks": ("Free KV cache blocks.", s.num_free_blocks),
+            "kv_cache_total_blocks": ("KV cache blocks in the pool.", s.num_total_blocks),
+            "batch_size": ("Sequences in the last engine step.", s.last_batch_size),
+            "batch_size_max": ("Largest number of sequences in one step so far.", s.max_batch_size),
+            "prefix_cache_hit_rate": ("Prefix-cache hits / queries, in tokens, since start (0..1).",
+                                      s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(PREFIX + name, doc, value=float(value))
+        counters = {
+            "prompt_tokens": ("Prompt tokens processed.", s.num_prompt_tokens),
+            "generation_tokens": ("Tokens generated.", s.num_generation_tokens),
+            "num_preemptions": ("Sequences preempted (KV recomputed) for lack of blocks.", s.num_preemptions),
+            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            "prefix_cache_hits": ("Prompt tokens served from the prefix cache.", s.prefix_cache_hits),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(PREFIX + name, doc, value=float(value))
+
+
+class ServingMetrics:
+    """The server's metrics; also the async engine's ``RequestObserver``.
+
+    Args:
+        engine: the async engine to read stats from and to observe.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineStatsCollector(engine))
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from arrival to the first token.",
+                              buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between a request's engine steps "
+                             "that produced tokens.", buckets=_ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(PREFIX + "request_latency_seconds", "Time from arrival to the end of a request.",
+                             buckets=_E2E_BUCKETS, registry=self.registry)
+        self.finished = Counter(PREFIX + "requests_finished", "Requests ended, by finish reason.",
+                                ["finish_reason"], registry=self.registry)
+        self.rejected = Counter(PREFIX + "requests_rejected", "Requests refused because the queue was full.",
+                                registry=self.registry)
+        engine.add_observer(self)
+
+    def on_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def on_inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def on_finished(self, finish_reason: str, seconds: float) -> None:
+        self.finished.labels(finish_reason=finish_reason).inc()
+        self.e2e.observe(seconds)
+
+    def on_rejected(self) -> None:
+        self.rejected.inc()
+
+    def render(self) -> tuple[bytes, str]:
+        """``(body, content_type)`` in the Prometheus text format."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,144 @@
+"""One FastAPI app: the Gradio chat UI at ``/``, the OpenAI API at ``/v1``, ``/health``, ``/metrics``.
+
+Everything shares one ``AsyncLLMEngine`` (one engine loop, one continuous batch). Security
+defaults: bind 127.0.0.1; ``api_key`` guards ``/v1`` (Bearer); ``ui_auth`` guards the UI (Gradio's
+login); request bodies are capped; prompts and replies are logged only at DEBUG level.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from lightinfer.engine.async_engine import AsyncLLMEngine
+from lightinfer.entrypoints.metrics import ServingMetrics
+from lightinfer.entrypoints.openai_api import create_openai_app
+
+logger = logging.getLogger(__name__)
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 32k-token chat is ~150 KB of JSON: 4 MiB is generous
+
+
+class BodySizeLimitMiddleware:
+    """Refuse HTTP request bodies over ``max_bytes`` with 413 (by Content-Length, or while reading)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers", [])).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._reject(scope, receive, send)
+            return
+        seen = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:  # chunked upload past the limit: the app sees a disconnect
+                    raise _BodyTooLarge()
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await self._reject(scope, receive, send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = {"error": {"message": f"request body larger than {self.max_bytes} bytes",
+                          "type": "invalid_request_error", "param": None, "code": "request_too_large"}}
+        await JSONResponse(body, status_code=413)(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def build_app(
+    engine: AsyncLLMEngine,
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    ui_auth: tuple[str, str] | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    enable_ui: bool = True,
+    ui_max_queue: int | None = None,
+) -> FastAPI:
+    """Assemble the server; the engine loop starts and stops with the app's lifespan.
+
+    Args:
+        engine: the shared async engine (not yet started is fine).
+        served_model_name: the ``model`` name the API answers to; default ``model_info()["model"]``.
+        api_key: when set, ``/v1`` needs ``Authorization: Bearer <api_key>`` (else 401).
+        ui_auth: ``(user, password)`` for the Gradio UI's login page.
+        max_request_bytes: larger request bodies get 413.
+        enable_ui: mount the Gradio UI at ``/``.
+        ui_max_queue: Gradio's queue bound (default ``max_waiting``).
+    """
+    metrics = ServingMetrics(engine)
+    name = served_model_name or str(engine.model_info()["model"])
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        logger.info("engine loop started; serving %s", name)
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="lightinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine, app.state.metrics = engine, metrics
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while the engine loop runs (load balancers poll this), else 503."""
+        if engine.is_running:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/stats")
+    async def stats() -> Response:
+        """The engine's stats snapshot as JSON (for tests and dashboards)."""
+        return Response(json.dumps(vars(engine.get_stats())), media_type="application/json")
+
+    # Routes above and /v1 are matched before the catch-all Gradio mount at "/".
+    app.mount("/v1", create_openai_app(engine, name, api_key))
+    if enable_ui:
+        import gradio as gr
+
+        from lightinfer.webui.app import build_ui
+
+        blocks = build_ui(engine, max_queue=ui_max_queue or engine.max_waiting)
+        gr.mount_gradio_app(app, blocks, path="/", auth=ui_auth, ssr_mode=False, footer_links=["api"],
+                            run_history=False, show_error=True)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
+    return app
+
+
+def run_server(app: FastAPI, host: str, port: int, log_level: str = "info", **uvicorn_kwargs: Any) -> None:
+    """Serve ``app`` with uvicorn until interrupted (blocking)."""
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, **uvicorn_kwargs)

@@ -1,0 +1,110 @@
+"""Attention over the paged KV cache, and the per-step metadata the model runner sets.
+
+The model sees only ``(input_ids, positions)``; everything else about the batch lives in the
+:class:`AttentionMetadata` set with :func:`set_context` (the nano-vllm pattern), so model files
+stay free of engine details.
+
+A batch is flat: ``[decode tokens | prefill tokens]``. Decodes (one new token per sequence)
+come first and use the decode kernel; the rest are (chunks of) prompts and use the prefill
+kernel, which attends to cached prefix blocks plus the new tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightinfer.layers.ops import ops_for
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch description.
+
+    Attributes:
+        num_decodes: sequences (= tokens) at the front of the batch that are decodes.
+        slot_mapping: int64 ``[num_tokens]`` cache slot of each token (-1: padding).
+        context_lens: int32 ``[num_seqs]`` tokens in the cache per sequence after this step.
+        block_tables: int32 ``[num_seqs, max_num_blocks]``, -1 padded.
+        cu_seqlens_q: int32 ``[num_prefills + 1]`` offsets of the prefill sequences' new tokens,
+            relative to the first prefill token.
+        no_cache: attend within the batch only (calibration / profiling), ``cu_seqlens_q``
+            covering every sequence.
+    """
+
+    num_decodes: int = 0
+    slot_mapping: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    no_cache: bool = False
+
+
+_CONTEXT: AttentionMetadata | None = None
+
+
+def set_context(metadata: AttentionMetadata | None) -> None:
+    """Install the metadata the next forward reads (None clears it)."""
+    global _CONTEXT
+    _CONTEXT = metadata
+
+
+def get_context() -> AttentionMetadata:
+    """The current metadata. Raises RuntimeError when no forward context is set."""
+    if _CONTEXT is None:
+        raise RuntimeError("attention called outside a forward context: set_context(...) first")
+    return _CONTEXT
+
+
+@contextlib.contextmanager
+def no_cache_context(cu_seqlens: torch.Tensor) -> Iterator[None]:
+    """Run layers without a KV cache: causal attention inside each of the sequences that
+    ``cu_seqlens`` (int32 ``[num_seqs + 1]``) cuts the flat batch into."""
+    previous = _CONTEXT
+    set_context(AttentionMetadata(cu_seqlens_q=cu_seqlens, no_cache=True))
+    try:
+        yield
+    finally:
+        set_context(previous)
+
+
+class Attention(nn.Module):
+    """Scaled dot-product attention over the paged KV cache (GQA-aware).
+
+    The model runner binds ``k_cache``/``v_cache`` ``[num_blocks, block_size, num_kv_heads,
+    head_dim]`` (and for INT8 ``k_scale``/``k_zero``/``v_scale``/``v_zero``) after allocating
+    the pool; see ``kernels/reference.py`` for the layout.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
+        self.k_cache = self.v_cache = torch.tensor([])
+        self.k_scale = self.k_zero = self.v_scale = self.v_zero = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q ``[T, H, D]``, k/v ``[T, Hkv, D]`` -> ``[T, H * D]``."""
+        ctx = get_context()
+        ops = ops_for(q)
+        if ctx.no_cache or self.k_cache.numel() == 0:
+            assert ctx.cu_seqlens_q is not None, "no KV cache bound and no cu_seqlens to attend within"
+            out = ops.varlen_causal_attention(q, k, v, ctx.cu_seqlens_q, self.scale)
+            return out.reshape(q.shape[0], -1)
+        scales = (self.k_scale, self.k_zero, self.v_scale, self.v_zero)
+        ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, *scales)
+        out = torch.empty_like(q)
+        nd = ctx.num_decodes
+        if nd:
+            out[:nd] = ops.paged_attention_decode(
+                q[:nd], self.k_cache, self.v_cache, ctx.block_tables[:nd], ctx.context_lens[:nd], self.scale, *scales
+            )
+        if nd < q.shape[0]:
+            out[nd:] = ops.paged_attention_prefill(
+                q[nd:], self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.context_lens[nd:],
+                ctx.block_tables[nd:], self.scale, *scales,
+            )
+        return out.reshape(q.shape[0], -1)

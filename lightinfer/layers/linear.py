@@ -1,0 +1,101 @@
+"""Linear layers: dense (``Linear``) and AWQ 4-bit weight, 16-bit activation (``W4A16Linear``).
+
+Both keep Hugging Face parameter names (``weight``/``bias``; ``qweight``/``qzeros``/``scales``
+on disk) so checkpoints load by name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightinfer.kernels.reference import repack_awq_to_runtime
+from lightinfer.layers.ops import ops_for
+
+
+class Linear(nn.Module):
+    """Dense ``y = x W^T + b`` with ``weight [out, in]`` (``nn.Linear`` orientation)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in]`` -> ``[..., out]``."""
+        return F.linear(x, self.weight, self.bias)
+
+
+class W4A16Linear(nn.Module):
+    """AWQ W4A16 linear layer: 4-bit group-quantized weight, activations in 16 (or 32) bits.
+
+    Buffers hold the run-time layout of ``kernels/reference.py``: ``qweight`` int32
+    ``[out, in // 8]``, ``scales`` and ``zeros`` ``[in // group_size, out]`` in the activation
+    dtype. :meth:`load_awq` converts AutoAWQ's "gemm" disk tensors once at load time.
+
+    Raises:
+        ValueError: ``in_features`` not a multiple of ``group_size`` or ``out_features`` not a
+            multiple of 8 (the packing unit).
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, group_size: int, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        if in_features % group_size or in_features % 8:
+            raise ValueError(f"in_features {in_features} is not a multiple of group_size {group_size}")
+        if out_features % 8:
+            raise ValueError(f"out_features {out_features} is not a multiple of 8 (4-bit packing unit)")
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        num_groups = in_features // group_size
+        self.register_buffer("qweight", torch.zeros(out_features, in_features // 8, dtype=torch.int32))
+        self.register_buffer("scales", torch.zeros(num_groups, out_features, dtype=dtype))
+        self.register_buffer("zeros", torch.zeros(num_groups, out_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    @torch.no_grad()
+    def load_awq(self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> None:
+        """Load AutoAWQ "gemm" tensors: qweight int32 ``[in, out // 8]``, qzeros int32
+        ``[in // G, out // 8]``, scales fp16 ``[in // G, out]``.
+
+        Raises:
+            ValueError: shapes that do not match this layer.
+        """
+        want = (self.in_features, self.out_features // 8)
+        if tuple(qweight.shape) != want or tuple(scales.shape) != tuple(self.scales.shape):
+            raise ValueError(
+                f"AWQ tensors qweight {tuple(qweight.shape)} / scales {tuple(scales.shape)} do not match a "
+                f"{self.in_features}->{self.out_features} layer with group_size {self.group_size} "
+                f"(expected qweight {want}, scales {tuple(self.scales.shape)})"
+            )
+        qw, s, z = repack_awq_to_runtime(qweight.to(torch.int32), qzeros.to(torch.int32), scales, self.scales.dtype)
+        self.qweight.copy_(qw)
+        self.scales.copy_(s)
+        self.zeros.copy_(z)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in]`` -> ``[..., out]`` (fp32 accumulation)."""
+        shape = x.shape
+        y = ops_for(x).w4a16_gemm(x.reshape(-1, shape[-1]), self.qweight, self.scales, self.zeros, self.bias)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def make_linear(
+    in_features: int,
+    out_features: int,
+    bias: bool,
+    dtype: torch.dtype,
+    quant_config: dict | None,
+    prefix: str,
+) -> Linear | W4A16Linear:
+    """A ``W4A16Linear`` when ``quant_config`` (a checkpoint's ``quantization_config``) quantizes
+    the layer named ``prefix``, else a dense ``Linear``."""
+    if quant_config is None:
+        return Linear(in_features, out_features, bias, dtype)
+    skip = quant_config.get("modules_to_not_convert") or []
+    if any(prefix == m or prefix.startswith(m + ".") or prefix.endswith("." + m) or m in prefix.split(".")
+           for m in skip):
+        return Linear(in_features, out_features, bias, dtype)
+    return W4A16Linear(in_features, out_features, bias, int(quant_config["group_size"]), dtype)

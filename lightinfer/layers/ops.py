@@ -1,0 +1,39 @@
+"""Device dispatch: the Triton launchers on CUDA, their plain-PyTorch twins elsewhere.
+
+Layers call ``ops_for(x).<name>(...)``; both modules expose the same functions with the
+same signatures (``kernels/reference.py`` documents them).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+
+from lightinfer.kernels import reference
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_ops() -> types.SimpleNamespace:
+    # Imported lazily: importing Triton costs seconds and is useless on a CPU.
+    from lightinfer.kernels import kv_store, norm_rope, paged_attention, w4a16_gemm
+
+    return types.SimpleNamespace(
+        w4a16_gemm=w4a16_gemm.w4a16_gemm,
+        store_kvcache=kv_store.store_kvcache,
+        paged_attention_decode=paged_attention.paged_attention_decode,
+        paged_attention_prefill=paged_attention.paged_attention_prefill,
+        varlen_causal_attention=reference.varlen_causal_attention,
+        rms_norm=norm_rope.rms_norm,
+        fused_add_rms_norm=norm_rope.fused_add_rms_norm,
+        apply_rotary=norm_rope.apply_rotary,
+        silu_and_mul=norm_rope.silu_and_mul,
+    )
+
+
+def ops_for(x: torch.Tensor) -> types.SimpleNamespace | types.ModuleType:
+    """The kernel namespace for ``x``'s device: Triton on CUDA, ``kernels.reference`` otherwise."""
+    if x.is_cuda:
+        return _triton_ops()
+    return reference

@@ -1,0 +1,72 @@
+"""What the engine hands back: ``RequestOutput`` with one ``CompletionOutput`` per completion."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request.
+
+    Attributes:
+        index: which of the ``n`` completions (0-based).
+        text: the text so far; streamed ``text`` only ever grows (pieces held back while they
+            could still become a stop string or an incomplete UTF-8 character).
+        token_ids: generated token ids so far.
+        finish_reason: None while running, then "stop" (EOS, stop token or stop string),
+            "length" (max_tokens or the context is full) or "abort".
+        logprobs: when requested, one dict ``{token_id: logprob}`` per generated token.
+        cumulative_logprob: sum of the sampled tokens' log-probabilities (when logprobs requested).
+        stop_reason: the stop string or stop token id that ended it, if any.
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (``time.monotonic()`` seconds) of one request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Seconds from arrival to the first generated token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after an engine step (or at the end).
+
+    Attributes:
+        request_id: the caller's id.
+        prompt: prompt text (decoded from the ids when the caller gave ids).
+        prompt_token_ids: the prompt's token ids.
+        outputs: ``n`` completions, in index order.
+        finished: all completions finished.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        metrics: timing.
+    """
+
+    request_id: str
+    prompt: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics

@@ -1,0 +1,92 @@
+"""Per-request sampling settings, with the same names and meanings as vLLM's ``SamplingParams``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next tokens of one request.
+
+    Attributes:
+        n: completions per prompt; they share the prompt's KV blocks.
+        temperature: 0 means greedy; > 0 divides the logits before softmax.
+        top_k: keep the k most likely tokens (-1 or 0: all).
+        top_p: nucleus sampling, keep the smallest set whose probability mass is >= top_p; in (0, 1].
+        min_p: drop tokens whose probability is below ``min_p`` x the top token's; in [0, 1].
+        repetition_penalty: CTRL-style (Keskar et al. 2019): logits of tokens seen in the prompt
+            or output are divided by it when positive, multiplied when negative; 1 = off.
+        presence_penalty: subtracted once from the logit of every token already generated (OpenAI).
+        frequency_penalty: subtracted per occurrence of every token already generated (OpenAI).
+        seed: per-request generator seed; the tokens are then the same whatever else is batched.
+        max_tokens: most new tokens to generate (> 0).
+        min_tokens: EOS / stop tokens are suppressed until this many tokens are out.
+        stop: strings that end generation; excluded from the returned text.
+        stop_token_ids: token ids that end generation (besides EOS).
+        ignore_eos: keep going after EOS (benchmarks).
+        logprobs: when set, return the top-``logprobs`` log-probabilities of every sampled
+            token (the sampled token's own is always included).
+        skip_special_tokens: drop special tokens from the returned text.
+
+    Raises:
+        ValueError: from :meth:`validate` (called in ``__post_init__``) naming the bad value.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field; raise ``ValueError`` saying what was wrong and what is allowed."""
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (-2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the arg-max (temperature 0 or top_k 1)."""
+        return self.temperature == 0.0 or self.top_k == 1

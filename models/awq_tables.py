@@ -1,0 +1,83 @@
+"""Per-architecture AWQ tables: which linears of a decoder layer share one input, and the op
+whose output is that input (where AWQ folds the inverse of its per-channel scales).
+
+Names are submodule paths inside one decoder layer (Hugging Face names, as in ``llama.py``).
+``prev_op`` is an RMSNorm (its ``weight`` is divided by the scales) or a linear (its output
+rows, and bias, are divided by the scales). A group whose ``prev_op`` is a linear is used
+only where the shapes allow (``prev_op.out_features == in_features`` of the group: not with
+grouped-query attention for ``v_proj -> o_proj``). Source: Lin et al., "AWQ: Activation-aware
+Weight Quantization for LLM Compression and Acceleration", MLSys 2024, section 3.2; the table
+layout follows AutoAWQ's ``get_layers_for_scaling``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ScaleGroup:
+    """Linears sharing one input.
+
+    Attributes:
+        prev_op: the submodule producing the shared input (scales folded into it).
+        linears: the linears reading that input (their weight columns are multiplied by the scales).
+    """
+
+    prev_op: str
+    linears: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class AwqTable:
+    """The AWQ description of one decoder-layer architecture.
+
+    Attributes:
+        groups: scale groups, in the order of the layer's forward.
+        no_clip: linears whose clipping range is not searched (q/k: their outputs meet in a
+            softmax, where a per-linear output error is a poor proxy).
+    """
+
+    groups: tuple[ScaleGroup, ...]
+    no_clip: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj")
+
+    @property
+    def linears(self) -> tuple[str, ...]:
+        """Every quantized linear of the layer, each once, in forward order."""
+        seen: list[str] = []
+        for g in self.groups:
+            seen += [n for n in g.linears if n not in seen]
+        return tuple(seen)
+
+
+LLAMA_TABLE = AwqTable(
+    groups=(
+        ScaleGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ScaleGroup("self_attn.v_proj", ("self_attn.o_proj",)),
+        ScaleGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+        ScaleGroup("mlp.up_proj", ("mlp.down_proj",)),
+    )
+)
+
+# Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm after the projections) have the same sharing:
+# the biases are handled by the fold, and q_norm/k_norm act per head after q_proj/k_proj,
+# which does not touch their input.
+AWQ_TABLES: dict[str, AwqTable] = {
+    "LlamaForCausalLM": LLAMA_TABLE,
+    "MistralForCausalLM": LLAMA_TABLE,
+    "Qwen2ForCausalLM": LLAMA_TABLE,
+    "Qwen3ForCausalLM": LLAMA_TABLE,
+}
+
+
+def get_awq_table(arch: str) -> AwqTable:
+    """The table for architecture ``arch``.
+
+    Raises:
+        ValueError: unsupported architecture, listing the supported ones.
+    """
+    if arch not in AWQ_TABLES:
+        raise ValueError(
+            f"architecture {arch} cannot be quantized; supported: {', '.join(sorted(AWQ_TABLES))}"
+        )
+    return AWQ_TABLES[arch]

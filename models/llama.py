@@ -1,0 +1,146 @@
+"""Llama-family decoder (Llama 2, Llama 3 incl. llama3 rope scaling, Mistral, SmolLM2).
+
+Parameter names follow Hugging Face so checkpoints load by name. Qwen2 (q/k/v bias) and Qwen3
+(q/k RMSNorm) reuse these classes with flags, see ``qwen2.py`` and ``qwen3.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightinfer.layers.activation import SiluAndMul
+from lightinfer.layers.attention import Attention
+from lightinfer.layers.embed_head import LMHead, VocabEmbedding
+from lightinfer.layers.linear import make_linear
+from lightinfer.layers.norm import RMSNorm
+from lightinfer.layers.rotary import RotaryEmbedding, rope_parameters
+
+
+def head_dim_of(hf_config: object) -> int:
+    """``head_dim`` from the config, or hidden / heads where the config has none."""
+    head_dim = getattr(hf_config, "head_dim", None)
+    return int(head_dim) if head_dim else hf_config.hidden_size // hf_config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    """q/k/v projections, optional per-head q/k RMSNorm, RoPE, paged attention, o projection."""
+
+    def __init__(
+        self, hf_config: object, layer_idx: int, quant_config: dict | None, dtype: torch.dtype,
+        qkv_bias: bool, qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        c = hf_config
+        self.num_heads, self.num_kv_heads = c.num_attention_heads, c.num_key_value_heads
+        self.head_dim = head_dim_of(c)
+        p = f"model.layers.{layer_idx}.self_attn"
+        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = make_linear(c.hidden_size, q_out, qkv_bias, dtype, quant_config, f"{p}.q_proj")
+        self.k_proj = make_linear(c.hidden_size, kv_out, qkv_bias, dtype, quant_config, f"{p}.k_proj")
+        self.v_proj = make_linear(c.hidden_size, kv_out, qkv_bias, dtype, quant_config, f"{p}.v_proj")
+        o_bias = bool(getattr(c, "attention_bias", False))  # Qwen2's config has no such field: False
+        self.o_proj = make_linear(q_out, c.hidden_size, o_bias, dtype, quant_config, f"{p}.o_proj")
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype) if qk_norm else None
+        theta, scaling = rope_parameters(c)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, c.max_position_embeddings, theta, scaling)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """positions ``[T]``, hidden ``[T, hidden]`` -> ``[T, hidden]``."""
+        t = hidden_states.shape[0]
+        q = self.q_proj(hidden_states).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden_states).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden_states).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hf_config: object, layer_idx: int, quant_config: dict | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, i = hf_config.hidden_size, hf_config.intermediate_size
+        bias = bool(getattr(hf_config, "mlp_bias", False))
+        p = f"model.layers.{layer_idx}.mlp"
+        self.gate_proj = make_linear(h, i, bias, dtype, quant_config, f"{p}.gate_proj")
+        self.up_proj = make_linear(h, i, bias, dtype, quant_config, f"{p}.up_proj")
+        self.down_proj = make_linear(i, h, bias, dtype, quant_config, f"{p}.down_proj")
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm decoder block on the plain residual stream: ``[T, hidden] -> [T, hidden]``."""
+
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(
+        self, hf_config: object, layer_idx: int, quant_config: dict | None = None, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (only silu)")
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(
+            hf_config, layer_idx, quant_config, dtype, self.qkv_bias or bool(getattr(hf_config, "attention_bias", False)),
+            self.qk_norm,
+        )
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(hf_config, layer_idx, quant_config, dtype)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        attn_out = self.self_attn(positions, self.input_layernorm(hidden_states))
+        normed, residual = self.post_attention_layernorm(attn_out, hidden_states)
+        return residual + self.mlp(normed)
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm."""
+
+    def __init__(
+        self, hf_config: object, quant_config: dict | None, dtype: torch.dtype, layer_cls: type[LlamaDecoderLayer]
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            layer_cls(hf_config, i, quant_config, dtype) for i in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The causal LM: ``forward(input_ids [T], positions [T]) -> hidden [T, hidden]`` and
+    ``compute_logits(hidden [S, hidden]) -> fp32 [S, vocab]``; attention metadata comes from
+    ``lightinfer.layers.attention.set_context``."""
+
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
+    def __init__(self, hf_config: object, quant_config: dict | None = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.model = LlamaModel(hf_config, quant_config, dtype, self.decoder_layer_cls)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

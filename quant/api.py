@@ -1,0 +1,209 @@
+"""``quantize(src, out, QuantConfig)``: a Hugging Face / GGUF model -> an AutoAWQ "gemm" checkpoint.
+
+The driver: validate everything (output folder, architecture, group size, calibration text)
+before any heavy work, then walk the decoder layers one at a time (only that layer's weights
+on the compute device, streamed from the checkpoint), and write the result atomically
+(``quant/export.py``). Exposed as ``lightinfer.quantize``.
+"""
+
+from __future__ import annotations
+
+import re
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lightinfer.config import resolve_device
+from lightinfer.models.awq_tables import AwqTable, get_awq_table
+from lightinfer.quant.config import QuantConfig
+from lightinfer.quant.export import AtomicOutputDir, check_output_dir, write_checkpoint
+
+
+@dataclass
+class QuantSummary:
+    """What a ``quantize`` run did (all sizes in bytes, times in seconds)."""
+
+    out: str
+    method: str
+    group_size: int
+    group_size_reason: str
+    device: str
+    num_layers: int
+    calib_tokens: int
+    seconds: float
+    peak_memory_bytes: int
+    peak_memory_kind: str
+    source_bytes: int
+    fp16_bytes: int
+    output_bytes: int
+    linear_fp16_bytes: int
+    linear_quant_bytes: int
+    layer_info: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def linear_ratio(self) -> float:
+        """Quantized linear bytes (qweight + qzeros + scales) / their fp16 bytes."""
+        return self.linear_quant_bytes / max(self.linear_fp16_bytes, 1)
+
+    def format(self) -> str:
+        """The human-readable summary the CLI prints."""
+        mib = 2**20
+        return "\n".join([
+            f"quantized ({self.method.upper()}, W4, group size {self.group_size}) -> {self.out}",
+            f"  {self.group_size_reason}",
+            f"  size: source files {self.source_bytes / mib:.1f} MiB, fp16 {self.fp16_bytes / mib:.1f} MiB"
+            f" -> {self.output_bytes / mib:.1f} MiB (model.safetensors)",
+            f"  linear weights: {self.linear_fp16_bytes / mib:.1f} MiB fp16 -> {self.linear_quant_bytes / mib:.1f}"
+            f" MiB ({self.linear_ratio:.3f} of fp16, scales and zeros included)",
+            f"  layers: {self.num_layers}, calibration tokens: {self.calib_tokens}, device: {self.device}",
+            f"  time: {self.seconds:.1f} s, peak memory: {self.peak_memory_bytes / mib:.0f} MiB"
+            f" ({self.peak_memory_kind})",
+        ])
+
+
+def _linear_shapes(hf_config: object, table: AwqTable) -> dict[str, tuple[int, int]]:
+    """``(out_features, in_features)`` of each linear of one decoder layer, from the config."""
+    from lightinfer.models.llama import head_dim_of
+
+    h, i = hf_config.hidden_size, hf_config.intermediate_size
+    hd = head_dim_of(hf_config)
+    q, kv = hf_config.num_attention_heads * hd, hf_config.num_key_value_heads * hd
+    known = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+             "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    return {n: known[n] for n in table.linears}
+
+
+def _peak_memory(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "GPU, torch.cuda.max_memory_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process RSS high-water mark"
+
+
+def _progress(total: int, enabled: bool, desc: str):  # type: ignore[no-untyped-def]
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="layer", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+
+
+def quantize(
+    src: str, out: str | Path, config: QuantConfig | None = None, *, force: bool = False, progress: bool = True
+) -> QuantSummary:
+    """Quantize ``src`` into an AutoAWQ "gemm" checkpoint at ``out``.
+
+    Args:
+        src: anything ``LLM`` accepts: a Hugging Face folder, a ``.gguf`` file, ``smollm2-135m-instruct``.
+        out: the output folder (created; must be empty or absent unless ``force``).
+        config: settings (default ``QuantConfig()``: AWQ, W4, group size auto).
+        force: replace a non-empty ``out``.
+        progress: show a per-layer progress bar (stderr).
+    Returns:
+        :class:`QuantSummary`.
+    Raises:
+        ValueError: unsupported architecture, an already quantized source, a group size that
+            does not divide a layer, a too-short calibration text, NaN/inf weights (named).
+        FileExistsError: non-empty ``out`` without ``force``.
+        FileNotFoundError: ``src`` or the calibration file not found.
+        KeyboardInterrupt: re-raised after removing the temporary output.
+    """
+    from lightinfer.loader import Checkpoint
+    from lightinfer.models.registry import architecture_of, get_model_class
+
+    cfg = config or QuantConfig()
+    t0 = time.monotonic()
+    check_output_dir(out, force)
+    ckpt = Checkpoint(src)
+    hf = ckpt.hf_config
+    if ckpt.quant_config is not None:
+        raise ValueError(f"{src} is already quantized ({ckpt.quant_config.get('quant_method')}); give full-precision weights")
+    arch = architecture_of(hf)
+    table = get_awq_table(arch)
+    model_cls = get_model_class(hf)
+    shapes = _linear_shapes(hf, table)
+    num_layers = int(hf.num_hidden_layers)
+    in_features = {f"model.layers.0.{n}": k for n, (_, k) in shapes.items() if not cfg.skips(n)}
+    group_size, reason = cfg.resolve_group_size(in_features)
+    for n, (o, _) in shapes.items():
+        if o % 8:
+            raise ValueError(f"model.layers.0.{n}: out_features {o} is not a multiple of 8 (AWQ packing)")
+    device = resolve_device(cfg.device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    names = ckpt.tensor_names()
+    by_layer: dict[int, list[str]] = {}
+    other: list[str] = []
+    for n in names:
+        m = re.match(r"model\.layers\.(\d+)\.", n)
+        (by_layer.setdefault(int(m.group(1)), []) if m else other).append(n)
+
+    hidden: list[torch.Tensor] = []
+    calib_tokens = 0
+    seq_len = cfg.seq_len
+    if cfg.method == "awq":
+        from lightinfer.quant.calib import calibration_samples
+
+        samples = calibration_samples(ckpt.load_tokenizer(), cfg.calib, cfg.num_samples, cfg.seq_len)
+        ids = torch.tensor(samples, dtype=torch.long)  # [S, L]
+        seq_len = ids.shape[1]
+        calib_tokens = ids.numel()
+        embed = ckpt.get_tensor("model.embed_tokens.weight").to(device, torch.float32)
+        per_chunk = max(1, min(ids.shape[0], 4096 // seq_len))
+        hidden = [F.embedding(c.reshape(-1).to(device), embed) for c in ids.split(per_chunk)]
+        del embed
+
+    tensors: dict[str, torch.Tensor] = {}
+    layer_info: list[dict[str, float]] = []
+    tied = bool(getattr(hf, "tie_word_embeddings", False))
+    linear_fp16 = linear_q = fp16_total = 0
+    with AtomicOutputDir(out, force) as tmp:
+        bar = _progress(num_layers, progress, f"{cfg.method.upper()} W4 g{group_size}")
+        try:
+            for i in range(num_layers):
+                prefix = f"model.layers.{i}"
+                if cfg.method == "awq":
+                    from lightinfer.quant.awq import quantize_layer
+
+                    layer = model_cls.decoder_layer_cls(hf, i, quant_config=None, dtype=torch.float32)
+                    with torch.no_grad():
+                        for pname, p in layer.named_parameters():
+                            p.copy_(ckpt.get_tensor(f"{prefix}.{pname}").to(torch.float32))
+                    layer.to(device)
+                    lt, hidden, info = quantize_layer(
+                        layer, table, hidden, seq_len, group_size, cfg.n_grid, cfg.max_shrink, prefix)
+                    del layer
+                    layer_info.append(info)
+                else:
+                    from lightinfer.quant.rtn import quantize_layer_rtn
+
+                    lt = quantize_layer_rtn(ckpt.get_tensor, by_layer.get(i, []), table, prefix, group_size, device)
+                tensors.update(lt)
+                bar.update(1)
+        finally:
+            bar.close()
+        for n in other:
+            if (tied and n == "lm_head.weight") or n.endswith("rotary_emb.inv_freq"):
+                continue
+            tensors[n] = ckpt.get_tensor(n).to(torch.float16)
+        for n, t in tensors.items():
+            if n.endswith(".qweight"):
+                o, k = t.shape[1] * 8, t.shape[0]
+                linear_fp16 += o * k * 2
+                base = n[: -len(".qweight")]
+                linear_q += sum(tensors[f"{base}.{x}"].nbytes for x in ("qweight", "qzeros", "scales"))
+                fp16_total += o * k * 2
+            elif not n.endswith((".qzeros", ".scales")):
+                fp16_total += t.numel() * 2
+        output_bytes = write_checkpoint(tmp, tensors, hf.to_dict(), cfg.to_hf_dict(group_size))
+        ckpt.save_tokenizer_and_generation_config(tmp)
+    peak, kind = _peak_memory(device)
+    return QuantSummary(
+        out=str(Path(out).resolve()), method=cfg.method, group_size=group_size, group_size_reason=reason,
+        device=str(device), num_layers=num_layers, calib_tokens=calib_tokens, seconds=time.monotonic() - t0,
+        peak_memory_bytes=peak, peak_memory_kind=kind, source_bytes=ckpt.source_bytes, fp16_bytes=fp16_total,
+        output_bytes=output_bytes, linear_fp16_bytes=linear_fp16, linear_quant_bytes=linear_q, layer_info=layer_info,
+    )

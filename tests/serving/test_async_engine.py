@@ -1,0 +1,155 @@
+"""AsyncLLMEngine: one loop, many clients, aborts, back-pressure, failure isolation (fake engine)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from conftest import fake_engine
+from lightinfer.engine.async_engine import (
+    AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestFailedError,
+)
+from lightinfer.sampling_params import SamplingParams
+from serving_fakes import SCRIPT
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+async def _run(engine: AsyncLLMEngine, prompt: str, params: SamplingParams = GREEDY) -> list[str]:
+    deltas, prev = [], ""
+    async for out in engine.generate(prompt, params):
+        deltas.append(out.outputs[0].text[len(prev):])
+        prev = out.outputs[0].text
+    return deltas
+
+
+def _wait_idle(engine: AsyncLLMEngine, timeout: float = 5.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = engine.get_stats()
+        if s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"engine not idle: {engine.get_stats()}")
+
+
+@pytest.fixture
+def engine() -> AsyncLLMEngine:
+    eng = fake_engine(step_delay=0.005)
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+def test_many_clients_share_one_batch(engine: AsyncLLMEngine) -> None:
+    async def main() -> list[list[str]]:
+        return await asyncio.gather(*[_run(engine, f"prompt {i}") for i in range(8)])
+
+    results = asyncio.run(main())
+    for deltas in results:
+        assert "".join(deltas) == SCRIPT[:24]
+        assert len(deltas) > 1  # streamed, not one final blob
+    assert engine.get_stats().max_batch_size == 8
+    _wait_idle(engine)
+
+
+def test_abort_midway_frees_blocks(engine: AsyncLLMEngine) -> None:
+    async def main() -> tuple[int, list[str]]:
+        long = SamplingParams(temperature=0.0, max_tokens=400)
+        n = 0
+        async for out in engine.generate("abort me", long):
+            n = len(out.outputs[0].token_ids)
+            if n >= 5:
+                break  # leaving the loop aborts
+        other = await _run(engine, "survivor")
+        return n, other
+
+    n, other = asyncio.run(main())
+    assert n >= 5 and "".join(other) == SCRIPT[:24]
+    _wait_idle(engine)
+
+
+def test_explicit_abort_ends_stream(engine: AsyncLLMEngine) -> None:
+    async def main() -> int:
+        stream = await engine.add_request("r1", "x", SamplingParams(temperature=0.0, max_tokens=400))
+        count = 0
+        async for _ in stream:
+            count += 1
+            if count == 3:
+                engine.abort("r1")
+        return count
+
+    assert asyncio.run(main()) < 400
+    _wait_idle(engine)
+
+
+def test_bad_request_is_isolated(engine: AsyncLLMEngine) -> None:
+    async def main() -> list[str]:
+        good = asyncio.create_task(_run(engine, "good"))
+        with pytest.raises(ValueError, match="max_model_len"):
+            await engine.add_request("bad", "x" * 5000, GREEDY)
+        with pytest.raises(ValueError, match="token ids"):
+            await engine.add_request("bad2", [10**9], GREEDY)
+        return await good
+
+    assert "".join(asyncio.run(main())) == SCRIPT[:24]
+
+
+def test_duplicate_request_id_refused(engine: AsyncLLMEngine) -> None:
+    async def main() -> None:
+        await engine.add_request("same", "x", SamplingParams(temperature=0.0, max_tokens=200))
+        with pytest.raises(ValueError, match="already in use"):
+            await engine.add_request("same", "y", GREEDY)
+        engine.abort("same")
+
+    asyncio.run(main())
+    _wait_idle(engine)
+
+
+def test_failed_step_reported_and_loop_survives(engine: AsyncLLMEngine) -> None:
+    async def main() -> list[str]:
+        with pytest.raises(RequestFailedError, match="simulated kernel failure"):
+            await _run(engine, "FAIL_STEP please")
+        return await _run(engine, "after the failure")
+
+    assert "".join(asyncio.run(main())) == SCRIPT[:24]
+    assert engine.is_running
+
+
+def test_back_pressure_refuses_beyond_max_waiting() -> None:
+    eng = fake_engine(step_delay=0.01, max_waiting=4, max_num_seqs=2)
+    eng.start()
+
+    async def main() -> tuple[int, int]:
+        params = SamplingParams(temperature=0.0, max_tokens=30)
+        results = await asyncio.gather(*[_run(eng, f"p{i}", params) for i in range(12)], return_exceptions=True)
+        refused = sum(isinstance(r, EngineOverloadedError) for r in results)
+        served = sum(isinstance(r, list) and "".join(r) == SCRIPT[:30] for r in results)
+        return refused, served
+
+    try:
+        refused, served = asyncio.run(main())
+    finally:
+        eng.shutdown()
+    assert refused > 0 and served > 0 and refused + served == 12
+
+
+def test_shutdown_fails_inflight_and_refuses_new() -> None:
+    eng = fake_engine(step_delay=0.01)
+    eng.start()
+
+    async def main() -> None:
+        stream = await eng.add_request("r", "x", SamplingParams(temperature=0.0, max_tokens=400))
+        await stream.__anext__()
+        await asyncio.get_running_loop().run_in_executor(None, eng.shutdown)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await eng.add_request("r2", "x", GREEDY)
+
+    asyncio.run(main())
+    assert not eng.is_running
