@@ -47,6 +47,15 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+def upcast_dot(dtype: torch.dtype) -> bool:
+    """Whether ``tl.dot`` operands of ``dtype`` must be fed as fp32.
+
+    Only on the CPU interpreter and only for bf16: Triton 3.9's interpreter returns garbage
+    (~1e10) for a bf16 x bf16 ``tl.dot``. On a GPU this is always False.
+    """
+    return interpreting() and dtype == torch.bfloat16
+
+
 def check_device(name: str, *tensors: torch.Tensor | None) -> torch.device:
     """All given tensors on one device, which Triton can run on.
 

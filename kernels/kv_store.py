@@ -154,7 +154,7 @@ def launch_specs() -> list[LaunchSpec]:
         c = "*" + TRITON_DTYPE[cache_dt]
         for h in NUM_KV_HEADS:
             for d in HEAD_DIMS:
-                ce = dict(QUANT=cache_dt == torch.int8, BLOCK_H=h, BLOCK_D=d)
+                ce = {"QUANT": cache_dt == torch.int8, "BLOCK_H": h, "BLOCK_D": d}
                 sig = {"k_ptr": "*fp16", "v_ptr": "*fp16", "kc_ptr": c, "vc_ptr": c, "slot_ptr": "*i64",
                        "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "*fp16", "vz_ptr": "*fp16",
                        **dict.fromkeys(ints, "i32"), **dict.fromkeys(ce, "constexpr")}

@@ -183,13 +183,13 @@ def launch_specs() -> list[LaunchSpec]:
     for h in HIDDEN_SIZES:
         block = next_pow2(h)
         for res in (False, True):
-            ce = dict(HAS_RESIDUAL=res, BLOCK=block)
+            ce = {"HAS_RESIDUAL": res, "BLOCK": block}
             sig = {**dict.fromkeys(["x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr"], "*fp16"),
                    **dict.fromkeys(["n_cols", "stride_x", "stride_r", "stride_o", "stride_ro"], "i32"), "eps": "fp32",
                    **dict.fromkeys(ce, "constexpr")}
             specs.append(LaunchSpec("rms_norm", _rms_norm_kernel, sig, ce, _warps(block), 1))
     for heads, d in ((32, 128), (8, 128), (9, 64)):
-        ce = dict(BLOCK_H=next_pow2(heads), BLOCK_HALF=d // 2)
+        ce = {"BLOCK_H": next_pow2(heads), "BLOCK_HALF": d // 2}
         sig = {**dict.fromkeys(["x_ptr", "cos_ptr", "sin_ptr", "out_ptr"], "*fp16"),
                **dict.fromkeys(["num_heads", "half", "stride_xt", "stride_xh", "stride_ot", "stride_oh", "stride_ct",
                                 "stride_st"], "i32"), **dict.fromkeys(ce, "constexpr")}

@@ -24,11 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, TRITON_DTYPE, LaunchSpec, check_device, next_pow2
+from ._common import FLOAT_DTYPES, TRITON_DTYPE, LaunchSpec, check_device, next_pow2, num_sms, upcast_dot
 
-# PROVISIONAL (not yet measured on a GPU): tokens per decode partition. Contexts up to this
-# length run in one kernel; longer ones are split and reduced.
+# PROVISIONAL (one H200 run so far): tokens per decode partition. Contexts up to this length run in
+# one kernel; longer ones are split and reduced. Small batches use shorter partitions (more programs).
 PARTITION_SIZE = 512
+MIN_PARTITION_SIZE = 128  # a multiple of every config's block_n
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,16 @@ def _config(configs: list[AttnConfig], head_dim: int) -> AttnConfig:
 
 
 @triton.jit
+def _int8_to_f16(x):
+    """int8 codes -> exact fp16 without a (quarter-rate) int->float conversion.
+
+    ``0x6400 + (x + 128)`` read as fp16 is ``1024 + x + 128`` (spacing 1 in [1024, 2048)).
+    """
+    bits = (x.to(tl.int32) + 0x6480).to(tl.int16)
+    return bits.to(tl.float16, bitcast=True) - 1152.0
+
+
+@triton.jit
 def _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_row_ptr,
                  tok, t_mask, allowed, offs_d, d_mask, kvh, block_size,
                  stride_cb, stride_co, stride_ch, stride_sb, stride_so, qk_scale, QUANT: tl.constexpr):
@@ -68,6 +79,9 @@ def _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr,
     kv_mask = t_mask[:, None] & d_mask[None, :]
     k = tl.load(kc_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0)
     v = tl.load(vc_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0)
+    if QUANT:
+        k = _int8_to_f16(k)
+        v = _int8_to_f16(v)
     s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [ROWS, BLOCK_N] fp32
     if QUANT:
         srow = phys * stride_sb + in_blk * stride_so + kvh
@@ -97,7 +111,7 @@ def _decode_kernel(
     stride_qs, stride_qh, stride_os, stride_oh, stride_bts,
     stride_cb, stride_co, stride_ch, stride_sb, stride_so,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    QUANT: tl.constexpr, SPLIT: tl.constexpr,
+    QUANT: tl.constexpr, SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -114,6 +128,8 @@ def _decode_kernel(
     heads = kvh * GROUP + offs_g
     q_mask = g_mask[:, None] & d_mask[None, :]
     q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)  # CPU interpreter only: its bf16 tl.dot returns garbage (Triton 3.9)
     qsum = tl.sum(q.to(tl.float32), axis=1)
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
@@ -168,7 +184,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bts,
     stride_cb, stride_co, stride_ch, stride_sb, stride_so,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    QUANT: tl.constexpr,
+    QUANT: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     qb = tl.program_id(1)
@@ -187,6 +203,8 @@ def _prefill_kernel(
     q_mask = m_mask[:, None] & d_mask[None, :]
     tok_q = (q_start + offs_m).to(tl.int64)
     q = tl.load(q_ptr + tok_q[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
     qsum = tl.sum(q.to(tl.float32), axis=1)
     pos = prefix + offs_m  # absolute position of each query: it sees keys 0..pos
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -238,6 +256,14 @@ def _check_cache(name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return quant, num_heads // num_kv_heads
 
 
+def decode_partition_size(num_seqs: int, num_kv_heads: int, max_ctx: int, device: torch.device) -> int:
+    """Tokens per decode partition: ``PARTITION_SIZE``, smaller (down to ``MIN_PARTITION_SIZE``) when
+    ``num_seqs * num_kv_heads`` programs alone would leave most SMs idle (small batches)."""
+    wanted_splits = triton.cdiv(2 * num_sms(device), max(1, num_seqs * num_kv_heads))
+    part = triton.cdiv(triton.cdiv(max(max_ctx, 1), wanted_splits), MIN_PARTITION_SIZE) * MIN_PARTITION_SIZE
+    return max(MIN_PARTITION_SIZE, min(PARTITION_SIZE, part))
+
+
 def paged_attention_decode_impl(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None, k_zero: torch.Tensor | None = None,
@@ -255,11 +281,11 @@ def paged_attention_decode_impl(
     if num_seqs == 0:
         return out
     cfg = _config(DECODE_CONFIGS, head_dim)
-    part = partition_size or PARTITION_SIZE
-    if part % cfg.block_n:
-        raise ValueError(f"paged_attention_decode: partition_size {part} must be a multiple of {cfg.block_n}")
     block_size = k_cache.shape[1]
     max_ctx = block_tables.shape[1] * block_size  # host-side bound: no device sync for max(context_lens)
+    part = partition_size or decode_partition_size(num_seqs, k_cache.shape[2], max_ctx, q.device)
+    if part % cfg.block_n:
+        raise ValueError(f"paged_attention_decode: partition_size {part} must be a multiple of {cfg.block_n}")
     num_splits = max(1, triton.cdiv(max_ctx, part))
     split = num_splits > 1
     if not split:
@@ -279,7 +305,7 @@ def paged_attention_decode_impl(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sb, so,
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        QUANT=quant, SPLIT=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        QUANT=quant, SPLIT=split, UPCAST_DOT=upcast_dot(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -366,7 +392,7 @@ def paged_attention_prefill(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sb, so,
         GROUP=group, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_D=max(16, next_pow2(head_dim)),
-        QUANT=quant, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        QUANT=quant, UPCAST_DOT=upcast_dot(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
@@ -385,8 +411,8 @@ def launch_specs() -> list[LaunchSpec]:
             dc = _config(DECODE_CONFIGS, d)
             for group in GQA_GROUPS:
                 for split in (False, True):
-                    ce = dict(GROUP=group, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=dc.block_n, BLOCK_D=d,
-                              QUANT=cache_dt == torch.int8, SPLIT=split)
+                    ce = {"GROUP": group, "BLOCK_G": max(16, next_pow2(group)), "BLOCK_N": dc.block_n, "BLOCK_D": d,
+                              "QUANT": cache_dt == torch.int8, "SPLIT": split, "UPCAST_DOT": False}
                     sig = {"q_ptr": "*fp16", **ptrs, "bt_ptr": "*i32", "ctx_ptr": "*i32", "out_ptr": "*fp16",
                            "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qk_scale": "fp32",
                            **dict.fromkeys(["head_dim", "block_size", "partition_size", "max_splits", "stride_qs",
@@ -395,7 +421,8 @@ def launch_specs() -> list[LaunchSpec]:
                     specs.append(LaunchSpec(f"attn_decode[{cache_dt}]", _decode_kernel, sig, ce, dc.num_warps,
                                             dc.num_stages))
             pc = _config(PREFILL_CONFIGS, d)
-            ce = dict(GROUP=4, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=pc.block_n, BLOCK_D=d, QUANT=cache_dt == torch.int8)
+            ce = {"GROUP": 4, "BLOCK_M": PREFILL_BLOCK_M, "BLOCK_N": pc.block_n, "BLOCK_D": d, "QUANT": cache_dt == torch.int8,
+                      "UPCAST_DOT": False}
             sig = {"q_ptr": "*fp16", **ptrs, "cu_ptr": "*i32", "ctx_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*fp16",
                    "qk_scale": "fp32",
                    **dict.fromkeys(["head_dim", "block_size", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
@@ -404,7 +431,7 @@ def launch_specs() -> list[LaunchSpec]:
             specs.append(LaunchSpec(f"attn_prefill[{cache_dt}]", _prefill_kernel, sig, ce, pc.num_warps, pc.num_stages))
     for d in HEAD_DIMS:
         for bs in (2, 16, 64):
-            ce = dict(BLOCK_S=bs, BLOCK_D=d)
+            ce = {"BLOCK_S": bs, "BLOCK_D": d}
             sig = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "ctx_ptr": "*i32", "out_ptr": "*fp16",
                    **dict.fromkeys(["head_dim", "partition_size", "max_splits", "stride_os", "stride_oh"], "i32"),
                    **dict.fromkeys(ce, "constexpr")}

@@ -253,6 +253,9 @@ def paged_attention_decode(
 ) -> torch.Tensor:
     """One new query token per sequence against its whole cached context.
 
+    Vectorised over sequences (one gather of ``[num_seqs, max_context]`` slots, padded and
+    masked): this is the engine's CPU decode path, so it avoids a Python loop per sequence.
+
     Args:
         q: ``[num_seqs, num_heads, head_dim]``.
         block_tables: int32 ``[num_seqs, max_num_blocks]`` (unused entries -1).
@@ -260,13 +263,30 @@ def paged_attention_decode(
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``.
     """
-    out = torch.empty_like(q)
-    for i in range(q.shape[0]):
-        n = int(context_lens[i])
-        k = gather_kv(k_cache, block_tables[i], n, k_scale, k_zero, q.dtype)
-        v = gather_kv(v_cache, block_tables[i], n, v_scale, v_zero, q.dtype)
-        out[i] = _attend(q[i : i + 1], k, v, scale, causal_offset=n - 1)[0]
-    return out
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    max_len = int(context_lens.max())
+    pos = torch.arange(max_len, device=q.device)
+    blocks = block_tables[:, pos // block_size].long().clamp(min=0)  # [S, L]
+    slots = blocks * block_size + pos % block_size
+
+    def read(cache: torch.Tensor, s: torch.Tensor | None, z: torch.Tensor | None) -> torch.Tensor:
+        x = cache.view(-1, num_kv_heads, head_dim)[slots]  # [S, L, Hkv, D]
+        if cache.dtype == torch.int8:
+            assert s is not None and z is not None
+            return dequantize_kv_int8(x, s.view(-1, num_kv_heads)[slots], z.view(-1, num_kv_heads)[slots],
+                                      torch.float32)
+        return x.to(torch.float32)
+
+    k = read(k_cache, k_scale, k_zero)
+    v = read(v_cache, v_scale, v_zero)
+    group = num_heads // num_kv_heads
+    qf = q.to(torch.float32).view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.einsum("skgd,slkd->skgl", qf, k) * scale
+    pad = pos.unsqueeze(0) >= context_lens.to(pos.device).unsqueeze(1)  # [S, L]
+    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+    out = torch.einsum("skgl,slkd->skgd", torch.softmax(scores, dim=-1), v)
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def paged_attention_prefill(

@@ -18,7 +18,10 @@ interpreter objects that cannot be compiled (the test runs this module in a subp
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
+import os
 import sys
 from typing import Any
 
@@ -48,19 +51,37 @@ def compile_shared_bytes(spec: Any, arch: int) -> int:
     from triton.runtime.jit import JITFunction
 
     if not isinstance(spec.kernel, JITFunction):
-        raise RuntimeError("smem_check needs TRITON_INTERPRET unset (kernels are interpreter objects)")
+        raise RuntimeError("smem_check needs TRITON_INTERPRET unset (kernels are interpreter objects)")  # noqa: TRY004
     src = ASTSource(fn=spec.kernel, signature=spec.signature, constexprs=spec.constexprs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
     return int(compiled.metadata.shared)
 
 
-def check(arch: int = 86) -> list[dict[str, Any]]:
-    """Compile all specs for ``arch``; one row per spec with ``shared`` bytes and ``fits``."""
+def _compile_indices(arch: int, indices: list[int]) -> list[int]:
+    """Worker: shared bytes of ``all_launch_specs()[i]`` for each ``i`` (specs hold kernels: not picklable)."""
+    specs = all_launch_specs()
+    return [compile_shared_bytes(specs[i], arch) for i in indices]
+
+
+def check(arch: int = 86, jobs: int | None = None) -> list[dict[str, Any]]:
+    """Compile all specs for ``arch`` (``jobs`` processes; default one per CPU) -> rows with ``shared``, ``fits``."""
     limit = SMEM_LIMIT_BYTES[arch]
+    specs = all_launch_specs()
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(specs)))
+    if jobs == 1:
+        shared_bytes = _compile_indices(arch, list(range(len(specs))))
+    else:
+        # Compilation is CPU-bound Python + ptxas: one process per core roughly divides the time.
+        chunks = [list(range(j, len(specs), jobs)) for j in range(jobs)]
+        shared_bytes = [0] * len(specs)
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+            for chunk, result in zip(chunks, pool.map(_compile_indices, [arch] * jobs, chunks)):
+                for i, b in zip(chunk, result):
+                    shared_bytes[i] = b
     rows = []
-    for spec in all_launch_specs():
-        shared = compile_shared_bytes(spec, arch)
+    for spec, shared in zip(specs, shared_bytes):
         rows.append({
             "name": spec.name,
             "constexprs": {k: (v if isinstance(v, (int, float, bool, str)) else str(v))
@@ -79,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", type=int, default=86, choices=sorted(SMEM_LIMIT_BYTES))
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per CPU)")
     args = p.parse_args(argv)
-    rows = check(args.arch)
+    rows = check(args.arch, args.jobs)
     if args.json:
         print(json.dumps(rows))
     else:

@@ -30,14 +30,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, TRITON_DTYPE, LaunchSpec, check_device, next_pow2, num_sms
+from ._common import FLOAT_DTYPES, TRITON_DTYPE, LaunchSpec, check_device, next_pow2, num_sms, upcast_dot
 
 # ----------------------------------------------------------------------------- crossovers
-# PROVISIONAL: chosen from first principles, not yet measured. bench/kernels.py measures every
-# path at every M on the Llama shapes; update these two numbers from its output.
-GEMV_MAX_M = 4  # M <= GEMV_MAX_M: split-K GEMV (each weight unpacked once, reused for M rows)
-TILED_MAX_M = 512  # GEMV_MAX_M < M <= TILED_MAX_M: tensor-core tiles; above: dequantize + cuBLAS
+# PROVISIONAL: read off one H200 run of bench/kernels.py (bench/results/kernels.json: gemv_us /
+# tiled_us / dequant_us per shape and M, CUDA-graph timed). GEMV beat tiled at M <= 2 on all 8 Llama
+# shapes; tiled beat dequant+cuBLAS at M=64 on 6 of 8 and at M=128 on 2 of 8. Re-measure on a
+# consumer card (sm_86/89) and whenever a kernel changes.
+GEMV_MAX_M = 2  # M <= GEMV_MAX_M: split-K GEMV (each weight unpacked once, reused for M rows)
+TILED_MAX_M = 64  # GEMV_MAX_M < M <= TILED_MAX_M: tensor-core tiles; above: dequantize + cuBLAS
 MAX_SPLIT_K = 16
+GEMV_FORCED_MAX_M = 16  # the GEMV unrolls over rows: beyond this (forced by tests/bench only) it is pointless
+GEMV_WAVES = 8  # GEMV programs are small and latency-bound: keep many per SM (H200 sweep: more splits won)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 
 
@@ -83,14 +87,21 @@ DEQUANT_NUM_WARPS = 4
 
 
 @triton.jit
-def _nibbles_to_f32(words, shifts):
-    """Exact fp32 value of the 4-bit codes ``(words >> shifts) & 0xF``.
+def _unpack_f32(words, BLOCK_K: tl.constexpr):
+    """int32 words ``[R, BLOCK_K // 8]`` -> exact fp32 codes ``[R, BLOCK_K]`` (k = 8 j + i: nibble i of word j).
 
-    OR-ing the code into the mantissa of 2^23 and subtracting 2^23 costs two full-rate ALU
-    ops; an int->float conversion (I2F) runs at a quarter of that rate on sm_80..sm_90,
-    which would make the GEMV compute-bound at M=1.
+    ``tl.interleave`` (join + reshape) keeps the copies of a word in the thread that loaded it, so
+    unpacking needs no shuffles or shared memory (a 3-D ``[R, W, 8]`` broadcast spreads the nibble
+    axis over lanes: on an H200 the GEMV at M=1 went from ~60 to ~31 µs and the tiled path at
+    M=4096 from ~3.1 to ~1.1 ms when this replaced it). OR-ing the code into the mantissa of 2^23 and
+    subtracting 2^23 costs two full-rate ALU ops where an int->float conversion (I2F) runs at a
+    quarter of that rate on sm_80..sm_90.
     """
-    bits = ((words >> shifts) & 0xF) | 0x4B000000
+    rep = tl.interleave(words, words)
+    rep = tl.interleave(rep, rep)
+    rep = tl.interleave(rep, rep)  # [R, BLOCK_K]: each word 8 times
+    shifts = (tl.arange(0, BLOCK_K) % 8) * 4
+    bits = ((rep >> shifts[None, :]) & 0xF) | 0x4B000000
     return bits.to(tl.float32, bitcast=True) - 8388608.0
 
 
@@ -107,25 +118,21 @@ def _w4a16_gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_w = tl.arange(0, WORDS)
-    offs_i = tl.arange(0, 8)
+    offs_k = tl.arange(0, GROUP_SIZE)
     offs_m = tl.arange(0, BLOCK_M)
-    k_in_group = offs_w[:, None] * 8 + offs_i[None, :]  # [WORDS, 8]: natural nibble order
-    shifts = (offs_i * 4)[None, None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     g_start = pid_k * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, num_groups)
     for g in range(g_start, g_end):
         words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (g * WORDS + offs_w)[None, :],
                         mask=n_mask[:, None], other=0)
-        q = _nibbles_to_f32(words[:, :, None], shifts)  # [BLOCK_N, WORDS, 8]
+        q = _unpack_f32(words, GROUP_SIZE)  # [BLOCK_N, GROUP_SIZE]
         s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         for m in tl.static_range(BLOCK_M):
-            xm = tl.load(x_ptr + m * stride_xm + g * GROUP_SIZE + k_in_group,
-                         mask=(k_in_group * 0 + m) < M, other=0.0).to(tl.float32)  # [WORDS, 8]
-            dot = tl.sum(tl.sum(q * xm[None, :, :], axis=2), axis=1)  # [BLOCK_N]
-            xsum = tl.sum(tl.sum(xm, axis=1), axis=0)
-            part = s * (dot - z * xsum)
+            xm = tl.load(x_ptr + m * stride_xm + g * GROUP_SIZE + offs_k,
+                         mask=(offs_k * 0 + m) < M, other=0.0).to(tl.float32)  # [GROUP_SIZE]
+            part = s * (tl.sum(q * xm[None, :], axis=1) - z * tl.sum(xm, axis=0))  # [BLOCK_N]
             acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
     if HAS_BIAS:
         b = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -143,7 +150,7 @@ def _w4a16_tiled_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
     M, N, stride_xm, stride_qn, stride_sg, stride_ym, num_k_steps, steps_per_split,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     # BLOCK_K divides GROUP_SIZE, so one K step lies in one group: one scale/zero per column.
     pid_m = tl.program_id(0)
@@ -153,7 +160,6 @@ def _w4a16_tiled_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_w = tl.arange(0, BLOCK_K // 8)
-    shifts = (tl.arange(0, 8) * 4)[None, None, :]
     m_mask = offs_m < M
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -163,12 +169,14 @@ def _w4a16_tiled_kernel(
         k0 = t * BLOCK_K
         a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
                     mask=m_mask[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
+        if UPCAST_DOT:
+            a = a.to(tl.float32)  # CPU interpreter only: its bf16 tl.dot returns garbage (Triton 3.9)
         words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :],
                         mask=n_mask[:, None], other=0)  # [BLOCK_N, BLOCK_K // 8]
         g = k0 // GROUP_SIZE
         s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        q = tl.reshape(_nibbles_to_f32(words[:, :, None], shifts), (BLOCK_N, BLOCK_K))
+        q = _unpack_f32(words, BLOCK_K)
         w = ((q - z[:, None]) * s[:, None]).to(a.dtype)  # [BLOCK_N, BLOCK_K]
         acc = tl.dot(a, tl.trans(w), acc)
     if HAS_BIAS:
@@ -195,8 +203,7 @@ def _w4_dequant_kernel(
     n_mask = offs_n < N
     words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (g * WORDS + tl.arange(0, WORDS))[None, :],
                     mask=n_mask[:, None], other=0)
-    shifts = (tl.arange(0, 8) * 4)[None, None, :]
-    q = tl.reshape(_nibbles_to_f32(words[:, :, None], shifts), (BLOCK_N, GROUP_SIZE))
+    q = _unpack_f32(words, GROUP_SIZE)
     s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     w = (q - z[:, None]) * s[:, None]
@@ -260,13 +267,23 @@ def pick_path(m: int) -> str:
     return "gemv" if m <= GEMV_MAX_M else ("tiled" if m <= TILED_MAX_M else "dequant")
 
 
-def _split_k(num_programs_mn: int, num_k_steps: int, device: torch.device) -> int:
-    # Aim for about two waves of programs; never create an empty split.
-    target = 2 * num_sms(device)
+def _split_k(num_programs_mn: int, num_k_steps: int, device: torch.device, waves: int = 2) -> int:
+    # Aim for about ``waves`` programs per SM; never create an empty split.
+    target = waves * num_sms(device)
     if num_programs_mn >= target:
         return 1
     split = min(triton.cdiv(target, num_programs_mn), num_k_steps, MAX_SPLIT_K)
     return triton.cdiv(num_k_steps, triton.cdiv(num_k_steps, split))
+
+
+def pick_split_k(m: int, n: int, k: int, group_size: int, path: str, device: torch.device) -> int:
+    """The split-K factor the launcher uses for this problem on ``path`` ("gemv" or "tiled")."""
+    if path == "gemv":
+        block_n, block_k, grid_m = gemv_config(group_size).block_n, group_size, 1
+    else:
+        cfg = tiled_config(m)
+        block_n, block_k, grid_m = cfg.block_n, min(cfg.block_k, group_size), triton.cdiv(m, cfg.block_m)
+    return _split_k(grid_m * triton.cdiv(n, block_n), k // block_k, device, GEMV_WAVES if path == "gemv" else 2)
 
 
 def dequantize_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -299,8 +316,8 @@ def w4a16_gemm_path(
         w = dequantize_w4(qweight, scales, zeros, x.dtype)
         return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
     if path == "gemv":
-        if m > GEMV_MAX_M * 4:
-            raise ValueError(f"w4a16_gemm: gemv path handles at most {GEMV_MAX_M * 4} rows, got M={m}")
+        if m > GEMV_FORCED_MAX_M:
+            raise ValueError(f"w4a16_gemm: gemv path handles at most {GEMV_FORCED_MAX_M} rows, got M={m}")
         cfg = gemv_config(g)
         block_m, block_n, block_k = next_pow2(m), cfg.block_n, g
         num_warps, num_stages = cfg.num_warps, cfg.num_stages
@@ -313,14 +330,15 @@ def w4a16_gemm_path(
     else:
         raise ValueError(f"w4a16_gemm: unknown path {path!r}")
     num_k_steps = k // block_k
-    split = split_k or _split_k(grid_mn[0] * grid_mn[1], num_k_steps, x.device)
+    split = split_k or _split_k(grid_mn[0] * grid_mn[1], num_k_steps, x.device, GEMV_WAVES if path == "gemv" else 2)
+    split = min(split, num_k_steps)
     steps_per_split = triton.cdiv(num_k_steps, split)
     split = triton.cdiv(num_k_steps, steps_per_split)
     atomic = split > 1
     y = torch.zeros((m, n), dtype=torch.float32, device=x.device) if atomic else torch.empty(
         (m, n), dtype=x.dtype, device=x.device)
     bias_arg = bias if bias is not None else y
-    common = dict(HAS_BIAS=bias is not None, ATOMIC=atomic, num_warps=num_warps, num_stages=num_stages)
+    common = {"HAS_BIAS": bias is not None, "ATOMIC": atomic, "num_warps": num_warps, "num_stages": num_stages}
     if path == "gemv":
         _w4a16_gemv_kernel[(grid_mn[1], split)](
             x, qweight, scales, zeros, bias_arg, y, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
@@ -329,7 +347,7 @@ def w4a16_gemm_path(
         _w4a16_tiled_kernel[(grid_mn[0], grid_mn[1], split)](
             x, qweight, scales, zeros, bias_arg, y, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
             y.stride(0), num_k_steps, steps_per_split, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, **common)
+            BLOCK_K=block_k, UPCAST_DOT=upcast_dot(x.dtype), **common)
     return y.to(x.dtype) if atomic else y
 
 
@@ -370,8 +388,8 @@ def launch_specs(dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> list[Lau
                 for atomic in (False, True):
                     sig = {**base, "y_ptr": "*fp32" if atomic else f, **{i: "i32" for i in ints},
                            "num_groups": "i32", "groups_per_split": "i32"}
-                    ce = dict(GROUP_SIZE=cfg.group_size, BLOCK_M=block_m, BLOCK_N=cfg.block_n, HAS_BIAS=True,
-                              ATOMIC=atomic)
+                    ce = {"GROUP_SIZE": cfg.group_size, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "HAS_BIAS": True,
+                              "ATOMIC": atomic}
                     specs.append(LaunchSpec(f"w4a16_gemv[{dt}]", _w4a16_gemv_kernel, {**sig, **dict.fromkeys(ce, "constexpr")},
                                             ce, cfg.num_warps, cfg.num_stages))
         for tcfg in TILED_CONFIGS:
@@ -379,13 +397,13 @@ def launch_specs(dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> list[Lau
                 for atomic in (False, True):
                     sig = {**base, "y_ptr": "*fp32" if atomic else f, **{i: "i32" for i in ints},
                            "num_k_steps": "i32", "steps_per_split": "i32"}
-                    ce = dict(GROUP_SIZE=g, BLOCK_M=tcfg.block_m, BLOCK_N=tcfg.block_n, BLOCK_K=min(tcfg.block_k, g),
-                              HAS_BIAS=True, ATOMIC=atomic)
+                    ce = {"GROUP_SIZE": g, "BLOCK_M": tcfg.block_m, "BLOCK_N": tcfg.block_n, "BLOCK_K": min(tcfg.block_k, g),
+                              "HAS_BIAS": True, "ATOMIC": atomic, "UPCAST_DOT": False}
                     specs.append(LaunchSpec(f"w4a16_tiled[{dt}]", _w4a16_tiled_kernel,
                                             {**sig, **dict.fromkeys(ce, "constexpr")}, ce, tcfg.num_warps,
                                             tcfg.num_stages))
         for g in SUPPORTED_GROUP_SIZES:
-            ce = dict(GROUP_SIZE=g, BLOCK_N=DEQUANT_BLOCK_N)
+            ce = {"GROUP_SIZE": g, "BLOCK_N": DEQUANT_BLOCK_N}
             sig = {"qw_ptr": "*i32", "s_ptr": f, "z_ptr": f, "w_ptr": f, "N": "i32", "K": "i32", "stride_qn": "i32",
                    "stride_sg": "i32", "stride_wn": "i32", **dict.fromkeys(ce, "constexpr")}
             specs.append(LaunchSpec(f"w4_dequant[{dt}]", _w4_dequant_kernel, sig, ce, DEQUANT_NUM_WARPS, 1))

@@ -72,19 +72,17 @@ def _read_gguf(path: str) -> tuple[object, dict[str, torch.Tensor]]:
     # The reader needs a model only to map tensor names; a meta-device one allocates nothing.
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
     import transformers.utils.logging as hf_logging
 
-    previous = hf_logging.get_verbosity(), os.environ.get("TQDM_DISABLE")
+    previous = hf_logging.get_verbosity(), gguf_utils.tqdm
     hf_logging.set_verbosity_error()
-    os.environ["TQDM_DISABLE"] = "1"  # the reader's own per-tensor progress bar
+    gguf_utils.tqdm = lambda iterable, **_: iterable  # silence its per-tensor progress bar
     try:
         parsed = load_gguf_checkpoint(str(p), return_tensors=True, model_to_load=skeleton)
     finally:
         hf_logging.set_verbosity(previous[0])
-        if previous[1] is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = previous[1]
+        gguf_utils.tqdm = previous[1]
     return config, parsed["tensors"]
 
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-from lightinfer.config import resolve_device
 from lightinfer.models.awq_tables import AwqTable, get_awq_table
 from lightinfer.quant.config import QuantConfig
 from lightinfer.quant.export import AtomicOutputDir, check_output_dir, write_checkpoint
+
+from lightinfer.config import resolve_device
 
 
 @dataclass
@@ -56,13 +56,13 @@ class QuantSummary:
         return "\n".join([
             f"quantized ({self.method.upper()}, W4, group size {self.group_size}) -> {self.out}",
             f"  {self.group_size_reason}",
-            f"  size: source files {self.source_bytes / mib:.1f} MiB, fp16 {self.fp16_bytes / mib:.1f} MiB"
-            f" -> {self.output_bytes / mib:.1f} MiB (model.safetensors)",
-            f"  linear weights: {self.linear_fp16_bytes / mib:.1f} MiB fp16 -> {self.linear_quant_bytes / mib:.1f}"
-            f" MiB ({self.linear_ratio:.3f} of fp16, scales and zeros included)",
+            (f"  size: source files {self.source_bytes / mib:.1f} MiB, fp16 {self.fp16_bytes / mib:.1f} MiB"
+             f" -> {self.output_bytes / mib:.1f} MiB (model.safetensors)"),
+            (f"  linear weights: {self.linear_fp16_bytes / mib:.1f} MiB fp16 -> {self.linear_quant_bytes / mib:.1f}"
+             f" MiB ({self.linear_ratio:.3f} of fp16, scales and zeros included)"),
             f"  layers: {self.num_layers}, calibration tokens: {self.calib_tokens}, device: {self.device}",
-            f"  time: {self.seconds:.1f} s, peak memory: {self.peak_memory_bytes / mib:.0f} MiB"
-            f" ({self.peak_memory_kind})",
+            (f"  time: {self.seconds:.1f} s, peak memory: {self.peak_memory_bytes / mib:.0f} MiB"
+             f" ({self.peak_memory_kind})"),
         ])
 
 
@@ -110,8 +110,9 @@ def quantize(
         FileNotFoundError: ``src`` or the calibration file not found.
         KeyboardInterrupt: re-raised after removing the temporary output.
     """
-    from lightinfer.loader import Checkpoint
     from lightinfer.models.registry import architecture_of, get_model_class
+
+    from lightinfer.loader import Checkpoint
 
     cfg = config or QuantConfig()
     t0 = time.monotonic()
@@ -125,10 +126,13 @@ def quantize(
     model_cls = get_model_class(hf)
     shapes = _linear_shapes(hf, table)
     num_layers = int(hf.num_hidden_layers)
-    in_features = {f"model.layers.0.{n}": k for n, (_, k) in shapes.items() if not cfg.skips(n)}
+    keep_fp = tuple(n for n in shapes if cfg.skips(n))
+    in_features = {f"model.layers.0.{n}": k for n, (_, k) in shapes.items() if n not in keep_fp}
+    if not in_features:
+        raise ValueError(f"modules_to_not_convert={cfg.modules_to_not_convert} leaves no linear to quantize")
     group_size, reason = cfg.resolve_group_size(in_features)
     for n, (o, _) in shapes.items():
-        if o % 8:
+        if o % 8 and n not in keep_fp:
             raise ValueError(f"model.layers.0.{n}: out_features {o} is not a multiple of 8 (AWQ packing)")
     device = resolve_device(cfg.device)
     if device.type == "cuda":
@@ -174,13 +178,14 @@ def quantize(
                             p.copy_(ckpt.get_tensor(f"{prefix}.{pname}").to(torch.float32))
                     layer.to(device)
                     lt, hidden, info = quantize_layer(
-                        layer, table, hidden, seq_len, group_size, cfg.n_grid, cfg.max_shrink, prefix)
+                        layer, table, hidden, seq_len, group_size, cfg.n_grid, cfg.max_shrink, prefix, keep_fp)
                     del layer
                     layer_info.append(info)
                 else:
                     from lightinfer.quant.rtn import quantize_layer_rtn
 
-                    lt = quantize_layer_rtn(ckpt.get_tensor, by_layer.get(i, []), table, prefix, group_size, device)
+                    lt = quantize_layer_rtn(
+                        ckpt.get_tensor, by_layer.get(i, []), table, prefix, group_size, device, keep_fp)
                 tensors.update(lt)
                 bar.update(1)
         finally:

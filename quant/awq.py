@@ -32,11 +32,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from lightinfer.models.awq_tables import AwqTable
+from lightinfer.quant.primitives import check_finite, fake_quantize, pack, quantize_groups
 from torch import nn
 
 from lightinfer.layers.attention import no_cache_context
-from lightinfer.models.awq_tables import AwqTable
-from lightinfer.quant.primitives import check_finite, fake_quantize, quantize_groups
 
 MAX_CHUNK_TOKENS = 4096  # tokens per layer forward during capture (bounds activation memory)
 
@@ -149,7 +149,7 @@ def search_clip(
     ng = k // group_size
     blocks = stats.group_blocks(group_size)  # [ng, G, G]
     out = torch.empty_like(w)
-    steps = max(1, int(round(max_shrink * n_grid)))
+    steps = max(1, round(max_shrink * n_grid))
     for a in range(0, n, row_batch):
         wg = w[a : a + row_batch].reshape(-1, ng, group_size)  # [n_b, ng, G]
         hi0, lo0 = wg.amax(-1, keepdim=True), wg.amin(-1, keepdim=True)
@@ -220,6 +220,7 @@ def quantize_layer(
     n_grid: int,
     max_shrink: float,
     prefix: str,
+    keep_fp: tuple[str, ...] = (),
 ) -> tuple[dict[str, torch.Tensor], list[torch.Tensor], dict[str, float]]:
     """AWQ on one decoder layer (fp32, on the layer's device).
 
@@ -227,6 +228,8 @@ def quantize_layer(
         layer: the full-precision decoder layer; modified in place (scales folded, clipped).
         hidden: the layer's input chunks (see :func:`capture`).
         prefix: ``model.layers.{i}`` for tensor names and error messages.
+        keep_fp: linears of the table left in full precision (``modules_to_not_convert``); their
+            scales are still folded, their weights stored as fp16 ``.weight``.
     Returns:
         ``(tensors, output chunks, info)``: ``tensors`` maps checkpoint names to CPU tensors
         (``.qweight/.qzeros/.scales`` of each quantized linear; norms, biases and other
@@ -234,8 +237,6 @@ def quantize_layer(
     Raises:
         ValueError: NaN/inf in a weight or in the layer's output, naming it.
     """
-    from lightinfer.quant.primitives import pack
-
     for name, p in layer.named_parameters():
         check_finite(p, f"{prefix}.{name}")
     total = sum(x.shape[0] for x in hidden)
@@ -247,9 +248,8 @@ def quantize_layer(
     for group in table.groups:
         prev = layer.get_submodule(group.prev_op)
         lins = [layer.get_submodule(n) for n in group.linears]
-        if isinstance(prev, nn.Module) and hasattr(prev, "out_features"):
-            if prev.out_features != lins[0].in_features:
-                continue  # e.g. v_proj -> o_proj under grouped-query attention: shapes do not allow
+        if hasattr(prev, "out_features") and prev.out_features != lins[0].in_features:
+            continue  # e.g. v_proj -> o_proj under grouped-query attention: the shapes do not allow it
         st = stats[group.linears[0]]
         s, alpha, rtn_loss, loss = search_scales([m.weight.float() for m in lins], st, group_size, n_grid)
         info[f"{group.linears[0]}.alpha"] = alpha
@@ -265,7 +265,7 @@ def quantize_layer(
             m.weight.mul_(s.unsqueeze(0).to(m.weight.dtype))
         st.rescale(s)
     tensors: dict[str, torch.Tensor] = {}
-    for name in table.linears:
+    for name in (n for n in table.linears if n not in keep_fp):
         lin = layer.get_submodule(name)
         w = lin.weight.float()
         check_finite(w, f"{prefix}.{name}.weight (after scaling)")
@@ -276,7 +276,7 @@ def quantize_layer(
         tensors[f"{prefix}.{name}.qweight"] = qweight.cpu()
         tensors[f"{prefix}.{name}.qzeros"] = qzeros.cpu()
         tensors[f"{prefix}.{name}.scales"] = sc.cpu()
-    quantized_weights = {f"{n}.weight" for n in table.linears}
+    quantized_weights = {f"{n}.weight" for n in table.linears if n not in keep_fp}
     for name, p in layer.named_parameters():
         if name not in quantized_weights:
             tensors[f"{prefix}.{name}"] = p.detach().to("cpu", torch.float16)

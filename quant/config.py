@@ -62,7 +62,7 @@ class QuantConfig:
     zero_point: bool = True
     method: str = "awq"
     calib: str | None = None
-    num_samples: int = 64
+    num_samples: int = 16
     seq_len: int = 512
     modules_to_not_convert: list[str] = field(default_factory=lambda: ["lm_head"])
     n_grid: int = 20
@@ -92,8 +92,12 @@ class QuantConfig:
         self.modules_to_not_convert = list(self.modules_to_not_convert or [])
 
     def skips(self, name: str) -> bool:
-        """True when the linear ``name`` (e.g. ``lm_head``) stays in full precision."""
-        return any(frag in name for frag in self.modules_to_not_convert)
+        """True when the linear ``name`` (e.g. ``lm_head``, ``mlp.down_proj``) stays in full precision:
+        an entry equal to the name, to one of its dotted parts, or to a dotted prefix or suffix of it
+        (the rule the engine's loader applies to ``modules_to_not_convert``)."""
+        parts = name.split(".")
+        return any(m == name or m in parts or name.startswith(m + ".") or name.endswith("." + m)
+                   for m in self.modules_to_not_convert)
 
     def resolve_group_size(self, in_features: dict[str, int]) -> tuple[int, str]:
         """Pick the group size for layers with these ``in_features`` (name -> K).

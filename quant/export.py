@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -36,17 +38,23 @@ def check_output_dir(out: str | Path, force: bool) -> Path:
     return p
 
 
+def _sigterm_to_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 class AtomicOutputDir:
     """``with AtomicOutputDir(out, force) as tmp:`` write into ``tmp``; on success ``tmp``
     becomes ``out`` (replacing it when ``force``); on any exception, KeyboardInterrupt
-    included, ``tmp`` and any parent folders this created are removed and a line saying so is
-    printed to stderr, and the exception propagates."""
+    included (SIGTERM is turned into one while the block runs in the main thread), ``tmp`` and
+    any parent folders this created are removed, a line saying so is printed to stderr, and the
+    exception propagates. Only SIGKILL can leave a hidden ``.NAME.tmp-*`` folder (never ``out``)."""
 
     def __init__(self, out: str | Path, force: bool = False) -> None:
         self.out = check_output_dir(out, force)
         self.force = force
         self.tmp: Path | None = None
         self._created_parents: list[Path] = []
+        self._old_sigterm: object = None
 
     def __enter__(self) -> Path:
         parent = self.out.parent
@@ -58,6 +66,8 @@ class AtomicOutputDir:
             d.mkdir()
             self._created_parents.append(d)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        if threading.current_thread() is threading.main_thread():  # `kill` (SIGTERM) cleans up too
+            self._old_sigterm = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
         return self.tmp
 
     def _cleanup(self) -> None:
@@ -73,6 +83,8 @@ class AtomicOutputDir:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         assert self.tmp is not None
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
         if exc_type is not None:
             self._cleanup()
             what = "interrupted" if issubclass(exc_type, KeyboardInterrupt) else f"failed ({exc_type.__name__})"

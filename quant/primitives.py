@@ -21,7 +21,6 @@ nibble order of :data:`kernels.reference.AWQ_ORDER` (reused here, not duplicated
 from __future__ import annotations
 
 import torch
-
 from lightinfer.kernels.reference import pack_awq, unpack_awq
 
 MIN_SCALE = 1e-5
@@ -57,13 +56,12 @@ def quantize_groups(
     """
     qmax = 2**w_bit - 1
     wg = _grouped(w.to(torch.float32), group_size)  # [N, K/G, G]
-    lo = wg.amin(-1)
-    hi = wg.amax(-1)
-    scales = ((hi - lo) / qmax).clamp(min=MIN_SCALE).to(torch.float16)
-    s = scales.to(torch.float32)
-    zeros = torch.clamp(torch.round(-lo / s), 0, qmax)
-    codes = torch.clamp(torch.round(wg / s.unsqueeze(-1)) + zeros.unsqueeze(-1), 0, qmax)
-    return codes.reshape(w.shape).to(torch.int32), scales, zeros.to(torch.int32)
+    lo, hi = torch.aminmax(wg, dim=-1)
+    scales = ((hi - lo) / qmax).clamp_(min=MIN_SCALE).to(torch.float16)
+    s = scales.to(torch.float32).unsqueeze(-1)
+    zeros = torch.round(-lo.unsqueeze(-1) / s).clamp_(0, qmax)
+    codes = torch.div(wg, s).round_().add_(zeros).clamp_(0, qmax)
+    return codes.reshape(w.shape).to(torch.int32), scales, zeros.squeeze(-1).to(torch.int32)
 
 
 def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
@@ -75,9 +73,17 @@ def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 
 
 def fake_quantize(w: torch.Tensor, group_size: int, w_bit: int = 4) -> torch.Tensor:
-    """Quantize then dequantize: fp32 ``[N, K]`` -> fp32 ``[N, K]`` (what the kernel will compute with)."""
-    codes, scales, zeros = quantize_groups(w, group_size, w_bit)
-    return dequantize_groups(codes, scales, zeros)
+    """Quantize then dequantize: fp32 ``[N, K]`` -> fp32 ``[N, K]`` (what the kernel will compute with).
+
+    Same arithmetic as :func:`quantize_groups` + :func:`dequantize_groups`, without the int copies.
+    """
+    qmax = 2**w_bit - 1
+    wg = _grouped(w.to(torch.float32), group_size)
+    lo, hi = torch.aminmax(wg, dim=-1)
+    s = ((hi - lo) / qmax).clamp_(min=MIN_SCALE).to(torch.float16).to(torch.float32).unsqueeze(-1)
+    zeros = torch.round(-lo.unsqueeze(-1) / s).clamp_(0, qmax)
+    q = torch.div(wg, s).round_().add_(zeros).clamp_(0, qmax)
+    return q.sub_(zeros).mul_(s).reshape(w.shape)
 
 
 def pack(

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-
 from lightinfer.models.awq_tables import AwqTable
 from lightinfer.quant.primitives import check_finite, quantize_linear_weight
 
@@ -21,6 +20,7 @@ def quantize_layer_rtn(
     prefix: str,
     group_size: int,
     device: torch.device,
+    keep_fp: tuple[str, ...] = (),
 ) -> dict[str, torch.Tensor]:
     """Quantize one decoder layer's linears, streamed tensor by tensor.
 
@@ -28,13 +28,14 @@ def quantize_layer_rtn(
         get_tensor: checkpoint reader (name -> tensor).
         names: the checkpoint's tensor names under ``prefix + "."``.
         prefix: ``model.layers.{i}``.
+        keep_fp: linears of the table left in full precision (``modules_to_not_convert``).
     Returns:
         checkpoint name -> CPU tensor: ``.qweight/.qzeros/.scales`` for each linear of the
         table, everything else (norms, biases) in fp16.
     Raises:
         ValueError: NaN/inf in a weight, naming it; a linear of the table missing.
     """
-    quantized = {f"{prefix}.{lin}.weight" for lin in table.linears}
+    quantized = {f"{prefix}.{lin}.weight" for lin in table.linears if lin not in keep_fp}
     missing = sorted(quantized - set(names))
     if missing:
         raise ValueError(f"checkpoint lacks {missing[0]} (expected by the quantization table)")

@@ -10,6 +10,7 @@ Stop cancels the Gradio event, which closes the generator below, which aborts th
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -82,13 +83,12 @@ def model_panel(info: dict[str, Any]) -> str:
     quant = f"{q['method'].upper()} W{q['bits']}A16, group size {q['group_size']}" if q else "none"
     weights = info.get("weight_bytes") or 0
     return "\n".join([
-        "| | |", "|---|---|",
-        f"| Model | `{info.get('model')}` |",
+        f"| Model | `{info.get('model')}` |", "|---|---|",
         f"| Quantization | {quant} |",
         f"| KV cache | {info.get('kv_cache_dtype')} |",
         f"| Weights | {weights / 2**20:,.1f} MiB |",
-        f"| KV pool | {info.get('kv_pool_tokens', 0):,} tokens ({info.get('num_kv_blocks')} blocks of "
-        f"{info.get('block_size')}) |",
+        (f"| KV pool | {info.get('kv_pool_tokens', 0):,} tokens ({info.get('num_kv_blocks')} blocks of "
+        f"{info.get('block_size')}) |"),
         f"| Max context | {info.get('max_model_len'):,} tokens |",
         f"| Device | {info.get('device')} · {info.get('dtype')} |",
     ])
@@ -113,6 +113,8 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
         engine: the shared async engine.
         max_queue: Gradio's queue bound; beyond it new events are refused ("queue full").
     """
+    # Gradio summarises its queue analytics with pandas after every event by default: every 100 is plenty.
+    os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", "100")
     tokenizer = copy.deepcopy(engine.tokenizer)  # the engine thread owns the engine's copy
     info = engine.model_info()
     max_model_len = int(info["max_model_len"])
@@ -157,31 +159,30 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
         stats = f"{num_tokens} tokens · {rate:.1f} tokens/s · time to first token {ttft}"
         yield notes + [gr.ChatMessage(role="assistant", content=text), _note(stats)]
 
-    with gr.Blocks(title=title, analytics_enabled=False, fill_height=True) as demo:
-        with gr.Row():
-            with gr.Column(scale=4):
-                system = gr.Textbox(label="System prompt", value="You are a helpful assistant.", lines=1)
-                sampling = [
-                    gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="Temperature (0 = greedy)", render=False),
-                    gr.Slider(0.05, 1.0, value=0.95, step=0.05, label="top_p", render=False),
-                    gr.Slider(0, 200, value=50, step=1, label="top_k (0 = off)", render=False),
-                    gr.Slider(1, min(4096, max_model_len - 1), value=min(256, max_model_len // 2), step=1,
-                              label="Max new tokens", render=False),
-                    gr.Number(value=-1, precision=0, label="Seed (-1 = random)", render=False),
-                ]
-                gr.ChatInterface(
-                    respond, chatbot=gr.Chatbot(label="Chat", height=480, render=False),
-                    additional_inputs=[system, *sampling],
-                    additional_inputs_accordion=gr.Accordion("Sampling", open=False, render=False),
-                    concurrency_limit=None, autofocus=True, fill_height=False,
-                    title=None, analytics_enabled=False, api_name="chat",
-                )
-            with gr.Column(scale=1, min_width=260):
-                gr.Markdown("### Model")
-                gr.Markdown(model_panel(info))
-                gr.Markdown("### Engine")
-                live = gr.Markdown(engine_panel(engine))
-                gr.Timer(2.0).tick(lambda: engine_panel(engine), None, live, queue=False,
-                                   api_visibility="undocumented", show_progress="hidden")
+    with gr.Blocks(title=title, analytics_enabled=False, fill_height=True) as demo, gr.Row():
+        with gr.Column(scale=4):
+            system = gr.Textbox(label="System prompt", value="You are a helpful assistant.", lines=1)
+            sampling = [
+                gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="Temperature (0 = greedy)", render=False),
+                gr.Slider(0.05, 1.0, value=0.95, step=0.05, label="top_p", render=False),
+                gr.Slider(0, 200, value=50, step=1, label="top_k (0 = off)", render=False),
+                gr.Slider(1, min(4096, max_model_len - 1), value=min(256, max_model_len // 2), step=1,
+                          label="Max new tokens", render=False),
+                gr.Number(value=-1, precision=0, label="Seed (-1 = random)", render=False),
+            ]
+            gr.ChatInterface(
+                respond, chatbot=gr.Chatbot(label="Chat", height=480, render=False),
+                additional_inputs=[system, *sampling],
+                additional_inputs_accordion=gr.Accordion("Sampling", open=False, render=False),
+                concurrency_limit=None, autofocus=True, fill_height=False,
+                title=None, analytics_enabled=False, api_name="chat",
+            )
+        with gr.Column(scale=1, min_width=260):
+            gr.Markdown("### Model")
+            gr.Markdown(model_panel(info))
+            gr.Markdown("### Engine")
+            live = gr.Markdown(engine_panel(engine))
+            gr.Timer(2.0).tick(lambda: engine_panel(engine), None, live, queue=False,
+                               api_visibility="undocumented", show_progress="hidden")
     demo.queue(max_size=max_queue, default_concurrency_limit=None)
     return demo

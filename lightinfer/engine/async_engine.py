@@ -279,7 +279,7 @@ class AsyncLLMEngine:
                 if request_id in self._requests:
                     raise ValueError(f"request id {request_id!r} is already in use")
                 self.engine.add_request(request_id, prompt, params)
-            except Exception as exc:  # only this request is refused
+            except Exception as exc:  # noqa: BLE001 -- whatever add_request raises, only this request is refused
                 accepted.set_exception(exc if isinstance(exc, ValueError) else ValueError(str(exc)))
                 return
             self._requests[request_id] = _Tracked(stream, time.monotonic(), num_tokens=[0] * params.n)
@@ -330,8 +330,8 @@ class AsyncLLMEngine:
         self._requests.clear()
         try:
             self._stats = self.engine.get_stats()
-        except Exception:
-            pass
+        except Exception:  # a broken engine keeps its last snapshot
+            logger.exception("get_stats failed after a failed step")
 
     def _reject_queued(self, exc: Exception) -> None:
         while True:

@@ -13,8 +13,8 @@ used cached block is the first to be reused::
     free queue:  [least recently freed ... most recently freed]
                  allocation pops from the left; a cache hit on a free block takes it out.
 
-Only full blocks are ever shared; :meth:`BlockManager.fork` copies a partial last block
-(copy-on-fork) and returns the copies the model runner must make.
+Only full, computed blocks are ever shared; :meth:`BlockManager.fork` copies a partially
+filled last block (copy-on-fork) and returns the copies the model runner must make.
 """
 
 from __future__ import annotations
@@ -173,26 +173,37 @@ class BlockManager:
             self.hash_to_block_id.setdefault(h, block.block_id)
             hashes.append(h)
 
+    def _fork_private(self, parent: Sequence) -> list[int]:
+        """Indices of ``parent``'s blocks a fork cannot share: those not full and computed."""
+        shared = parent.num_computed_tokens // self.block_size
+        return list(range(shared, len(parent.block_table)))
+
+    def can_fork(self, parent: Sequence) -> bool:
+        """Whether :meth:`fork` finds the free blocks it needs."""
+        return len(self._fork_private(parent)) <= self.num_free_blocks
+
     def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
-        """Share ``parent``'s blocks with ``child``; copy a partially filled last block.
+        """Share ``parent``'s full, computed blocks with ``child``; give it its own copy of the rest.
 
         Returns:
-            ``[(src_block_id, dst_block_id)]`` KV copies the model runner must make before the
-            next forward. Raises RuntimeError when no block is free for the copy.
+            ``[(src_block_id, dst_block_id)]`` KV copies (of a partially computed block) the model
+            runner must make before the next forward.
+        Raises:
+            RuntimeError: not enough free blocks (check :meth:`can_fork` first); nothing changed.
         """
+        private = self._fork_private(parent)
+        if len(private) > self.num_free_blocks:
+            raise RuntimeError(f"fork needs {len(private)} free blocks, {self.num_free_blocks} left")
         copies: list[tuple[int, int]] = []
-        full = parent.num_tokens // self.block_size if parent.num_tokens % self.block_size == 0 else None
         for i, block_id in enumerate(parent.block_table):
-            is_partial = full is None and i == len(parent.block_table) - 1
-            if is_partial:
-                if not self.free_block_ids:
-                    raise RuntimeError("no free block to copy the partial last block on fork")
-                dst = self._new_block()
-                copies.append((block_id, dst.block_id))
-                child.block_table.append(dst.block_id)
-            else:
+            if i < len(parent.block_table) - len(private):
                 self.blocks[block_id].ref_count += 1
                 child.block_table.append(block_id)
+                continue
+            dst = self._new_block()
+            if i * self.block_size < parent.num_computed_tokens:
+                copies.append((block_id, dst.block_id))
+            child.block_table.append(dst.block_id)
         self.block_hashes[child.seq_id] = list(self.block_hashes.get(parent.seq_id, []))
         return copies
 

@@ -133,7 +133,7 @@ class Scheduler:
         block is free for the copy of a partial block.
         """
         child = parent.fork(index)
-        if self.block_manager.num_free_blocks > 0:
+        if self.block_manager.can_fork(parent):
             self.pending_copies += self.block_manager.fork(parent, child)
             self.running.append(child)
         else:

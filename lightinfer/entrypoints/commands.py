@@ -47,7 +47,7 @@ def _add_server_args(p: argparse.ArgumentParser, kv_default: str) -> None:
     p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413")
     p.add_argument("--no-ui", action="store_true", help="serve the API only")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
-                   help="debug also logs prompts and replies")
+                   help="debug also logs prompts (never at info)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -78,9 +78,13 @@ def run_serve(args: argparse.Namespace) -> int:
     """Load the model, build the app and serve until Ctrl-C. Returns the exit code."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ui_auth = _parse_ui_auth(args.ui_auth)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        logger.warning("binding %s without --api-key: anyone who can reach this port can use the API "
-                       "(and the UI%s)", args.host, "" if ui_auth else "; add --ui-auth USER:PASS")
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        if not args.api_key:
+            logger.warning("binding %s without --api-key: anyone who can reach this port can use the API at /v1",
+                           args.host)
+        if not ui_auth and not args.no_ui:
+            logger.warning("binding %s without --ui-auth USER:PASS: the chat UI is open to anyone who can reach "
+                           "this port", args.host)
     from lightinfer.config import EngineConfig
     from lightinfer.engine.async_engine import AsyncLLMEngine
     from lightinfer.engine.llm_engine import LLMEngine

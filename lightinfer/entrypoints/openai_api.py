@@ -23,11 +23,14 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lightinfer.engine.async_engine import (
-    AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestStream,
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestStream,
 )
 from lightinfer.entrypoints import protocol as P
 from lightinfer.outputs import CompletionOutput, RequestOutput
@@ -132,7 +135,7 @@ class OpenAIServing:
             for ids in prompts:
                 rid = self.engine.new_request_id("api")
                 accepted.append((rid, await self.engine.add_request(rid, ids, params)))
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 -- cancellation too: abort what was accepted
             for rid, _ in accepted:
                 self.engine.abort(rid)
             raise _as_openai_error(exc) if isinstance(exc, Exception) else exc
@@ -185,7 +188,7 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
             async for out in s:
                 await q.put((i, out))
             await q.put((i, None))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 -- re-raised in the reader
             await q.put((i, exc))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]

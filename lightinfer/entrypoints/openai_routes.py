@@ -14,11 +14,15 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from lightinfer.engine.async_engine import RequestStream
 from lightinfer.entrypoints import protocol as P
 from lightinfer.entrypoints.openai_api import (
-    OpenAIError, OpenAIServing, _as_openai_error, merge_streams, run_until_disconnect,
+    OpenAIError,
+    OpenAIServing,
+    _as_openai_error,
+    merge_streams,
+    run_until_disconnect,
 )
-from lightinfer.engine.async_engine import RequestStream
 from lightinfer.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -71,6 +75,7 @@ def register_routes(app: FastAPI, serving: OpenAIServing) -> None:
         params = serving.sampling_params(req, len(ids), req.max_completion_tokens or req.max_tokens, top)
         subs = await serving.submit([ids], params)
         logger.info("chat request %s: %d prompt tokens, n=%d, stream=%s", subs[0][0], len(ids), req.n, req.stream)
+        logger.debug("chat request %s messages: %r", subs[0][0], [(m.role, m.text()) for m in req.messages])
         if req.stream:
             return StreamingResponse(_chat_stream(req, subs, top), media_type="text/event-stream",
                                      headers=_SSE_HEADERS)
@@ -115,7 +120,7 @@ def register_routes(app: FastAPI, serving: OpenAIServing) -> None:
             finished = last is not None and last.finished
             if req.stream_options and req.stream_options.include_usage and last is not None:
                 yield chunk([], _usage({0: last}))
-        except Exception as exc:  # a failed step: tell this client, keep the server up
+        except Exception as exc:  # noqa: BLE001 -- a failed step: tell this client, keep the server up
             yield _error_event(exc)
         finally:
             if not finished:
@@ -132,6 +137,7 @@ def register_routes(app: FastAPI, serving: OpenAIServing) -> None:
         subs = await serving.submit(prompts, params)
         logger.info("completion request %s: %d prompt(s), n=%d, stream=%s", subs[0][0], len(prompts), req.n,
                     req.stream)
+        logger.debug("completion request %s prompt: %r", subs[0][0], req.prompt)
         echo = [serving.tokenizer.decode(p) if req.echo else "" for p in prompts]
         if req.stream:
             return StreamingResponse(_completion_stream(req, subs, top, echo), media_type="text/event-stream",
@@ -181,7 +187,7 @@ def register_routes(app: FastAPI, serving: OpenAIServing) -> None:
             if req.stream_options and req.stream_options.include_usage:
                 yield P.sse(P.CompletionResponse(id=cid, created=created, model=serving.model_name, choices=[],
                                                  usage=_usage(finals)))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 -- as above
             yield _error_event(exc)
         finally:
             if not finished:

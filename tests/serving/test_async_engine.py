@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from conftest import LiveServer, fake_engine, wait_idle
+from serving_fakes import SCRIPT
 
-from conftest import fake_engine
 from lightinfer.engine.async_engine import (
-    AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestFailedError,
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestFailedError,
 )
 from lightinfer.sampling_params import SamplingParams
-from serving_fakes import SCRIPT
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
@@ -153,3 +156,34 @@ def test_shutdown_fails_inflight_and_refuses_new() -> None:
 
     asyncio.run(main())
     assert not eng.is_running
+
+
+def test_real_engine_concurrent_streams_and_abort(real_server: LiveServer) -> None:
+    """The real SmolLM2 behind the async engine: batched greedy streams match a lone run; abort frees."""
+    engine = real_server.engine
+    tok = engine.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+               for q in ("What is the capital of France?", "Name three colors.", "What is 2 + 2?")]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+
+    async def text(prompt: str) -> str:
+        return "".join(await _run(engine, prompt, params))
+
+    async def main() -> tuple[str, list[str], int]:
+        alone = await text(prompts[0])
+
+        async def aborted() -> int:
+            n = 0
+            async for out in engine.generate(prompts[1], SamplingParams(temperature=0.0, max_tokens=200,
+                                                                        ignore_eos=True)):
+                n = len(out.outputs[0].token_ids)
+                if n >= 3:
+                    break
+            return n
+
+        *batched, n = await asyncio.gather(*[text(p) for p in prompts], aborted())
+        return alone, batched, n
+
+    alone, batched, n = asyncio.run(main())
+    assert "Paris" in alone and batched[0] == alone and all(batched) and 3 <= n < 200
+    wait_idle(real_server.url)

@@ -1,0 +1,307 @@
+"""Kernel benchmark (GPU only): W4A16 GEMM and paged-attention decode against their baselines.
+
+Measures, in one run (so every baseline shares the GPU's state):
+
+* copy bandwidth: a 1 GiB device-to-device copy, counted as bytes read + written;
+* W4A16 GEMM on the Llama-2-7B and Llama-3-8B linear shapes (qkv, o, gate_up, down) for every M
+  in ``M_VALUES``: our launcher (auto path) and each forced path, torch fp16 matmul (cuBLAS)
+  on the dense weight, and AutoAWQ's Triton GEMM when ``.oracle/`` holds autoawq 0.2.9
+  (``pip download --no-deps autoawq==0.2.9 -d .oracle`` and unpack; never committed);
+* paged-attention decode, batch x context in ``ATTN_BATCHES`` x ``ATTN_CONTEXTS``, fp16 and INT8
+  caches, against torch SDPA on contiguous fp16 K/V;
+
+and writes ``bench/results/kernels.json`` (µs, effective GB/s, ratios, the issue's targets).
+Without CUDA it prints why and exits with status 2.
+
+Usage: ``python bench/kernels.py [--out PATH] [--quick] [--oracle-dir .oracle]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+M_VALUES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
+GROUP_SIZE = 128
+# (model, layer) -> (K, N): y[M, N] = x[M, K] @ W[K, N]
+LINEAR_SHAPES: dict[str, tuple[int, int]] = {
+    "llama2-7b/qkv": (4096, 12288), "llama2-7b/o": (4096, 4096),
+    "llama2-7b/gate_up": (4096, 22016), "llama2-7b/down": (11008, 4096),
+    "llama3-8b/qkv": (4096, 6144), "llama3-8b/o": (4096, 4096),
+    "llama3-8b/gate_up": (4096, 28672), "llama3-8b/down": (14336, 4096),
+}
+ATTN_BATCHES = [1, 16, 64]
+ATTN_CONTEXTS = [512, 2048, 8192]
+ROTATE_BYTES = 256 << 20  # > 4x the 50-60 MB L2 of an H100/H200
+ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM, ATTN_BLOCK = 32, 8, 128, 16  # Llama-3-8B
+
+
+def bench_us(fn: Callable[[], Any], quick: bool, calls: int = 1) -> float:
+    """GPU time of one of the ``calls`` launches that ``fn`` makes, in µs (median).
+
+    Timed by replaying ``fn`` in a CUDA graph (triton's ``do_bench_cudagraph``): eager timing of
+    10-50 µs kernels measures Python launch overhead, not the kernel. Callers make ``fn`` cycle
+    over several copies of the data (``calls`` of them) so that nothing is served from L2.
+    """
+    import triton.testing
+
+    try:
+        t = triton.testing.do_bench_cudagraph(fn, rep=20 if quick else 100, return_mode="median")
+    except Exception:  # noqa: BLE001 - capture failed (e.g. a host sync): fall back to eager timing
+        t = triton.testing.do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100, return_mode="median")
+    return float(t) * 1e3 / calls
+
+
+def copies_for(nbytes: int) -> int:
+    """Copies of a ``nbytes`` working set that together exceed the L2 several times (at most 64)."""
+    return max(1, min(64, -(-ROTATE_BYTES // max(1, nbytes))))
+
+
+def copy_bandwidth(quick: bool) -> dict[str, float]:
+    """GB/s of a 1 GiB device-to-device copy, counting bytes read + written."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    import triton.testing
+
+    # eager timing: a 1 GiB copy runs ~0.5 ms, far above launch overhead
+    us = float(triton.testing.do_bench(lambda: dst.copy_(src), warmup=5 if quick else 25, rep=50 if quick else 200,
+                                       return_mode="median")) * 1e3
+    return {"bytes": 2 * src.numel(), "us": us, "GBps": 2 * src.numel() / us / 1e3}
+
+
+def _load_autoawq(oracle_dir: Path) -> Callable[..., torch.Tensor] | None:
+    """AutoAWQ's ``awq_gemm_triton`` from an unpacked autoawq 0.2.9 under ``oracle_dir``, else None."""
+    import importlib.util
+
+    hits = sorted(oracle_dir.glob("**/awq/modules/triton/gemm.py")) if oracle_dir.exists() else []
+    if not hits:
+        return None
+    spec = importlib.util.spec_from_file_location("_autoawq_triton_gemm", hits[0])
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.awq_gemm_triton
+
+
+def bench_gemm(quick: bool, oracle_dir: Path, m_values: list[int]) -> list[dict[str, Any]]:
+    """One row per (shape, M): µs and effective GB/s of each implementation."""
+    from lightinfer.kernels import reference as ref
+    from lightinfer.kernels import w4a16_gemm as wg
+
+    awq = _load_autoawq(oracle_dir)
+    print(f"AutoAWQ Triton GEMM: {'found' if awq else 'not found under ' + str(oracle_dir)}", flush=True)
+    rows = []
+    for name, (k, n) in LINEAR_SHAPES.items():
+        gen = torch.Generator(device="cuda").manual_seed(k * n)
+        codes = torch.randint(0, 16, (n, k), generator=gen, device="cuda", dtype=torch.int32)
+        zcodes = torch.randint(0, 16, (k // GROUP_SIZE, n), generator=gen, device="cuda", dtype=torch.int32)
+        scales = (torch.rand(k // GROUP_SIZE, n, generator=gen, device="cuda") * 0.01 + 1e-3).half()
+        qweight, zeros = ref.pack_int4_rows(codes), zcodes.half()
+        w_dense = ref.dequantize_w4(qweight, scales, zeros)  # [N, K] fp16, the cuBLAS baseline's weight
+        awq_args = (ref.pack_awq(codes.t().contiguous()), scales, ref.pack_awq(zcodes)) if awq else None
+        del codes
+        w_bytes = n * k // 2 + 2 * 2 * (k // GROUP_SIZE) * n
+        nw4 = copies_for(w_bytes)
+        w4_sets = [(qweight, scales, zeros)] + [(qweight.clone(), scales.clone(), zeros.clone()) for _ in range(nw4 - 1)]
+        nfp = copies_for(2 * n * k)
+        fp_sets = [w_dense] + [w_dense.clone() for _ in range(nfp - 1)]
+        awq_sets = ([awq_args] + [tuple(t.clone() for t in awq_args) for _ in range(nw4 - 1)]) if awq_args else []
+        for m in m_values:
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            io_bytes = 2 * m * k + 2 * m * n
+            row: dict[str, Any] = {"shape": name, "K": k, "N": n, "M": m, "path": wg.pick_path(m),
+                                   "bytes_w4": w_bytes + io_bytes, "bytes_fp16": 2 * n * k + io_bytes,
+                                   "weight_copies": [nw4, nfp]}
+            want = torch.nn.functional.linear(x, w_dense)
+            row["rel_err"] = float((wg.w4a16_gemm(x, qweight, scales, zeros).float() - want.float()).norm()
+                                   / want.float().norm())
+            row["ours_us"] = bench_us(lambda x=x, ws=w4_sets: [wg.w4a16_gemm(x, *w) for w in ws], quick, nw4)
+            for path in ("gemv", "tiled", "dequant"):
+                if path == "gemv" and m > 16:
+                    continue
+                row[f"{path}_us"] = bench_us(lambda x=x, p=path, ws=w4_sets: [wg.w4a16_gemm_path(x, *w, path=p) for w in ws],
+                                            quick, nw4)
+            row["cublas_fp16_us"] = bench_us(lambda x=x, ws=fp_sets: [torch.nn.functional.linear(x, w) for w in ws], quick, nfp)
+            if awq_sets:
+                try:
+                    row["autoawq_us"] = bench_us(lambda x=x, ws=awq_sets: [awq(x, a[0], a[1], a[2], 8) for a in ws], quick, nw4)
+                except Exception as e:  # noqa: BLE001 - the oracle is a baseline only: record, don't stop
+                    row["autoawq_error"] = repr(e)[:200]
+            row["ours_GBps"] = row["bytes_w4"] / row["ours_us"] / 1e3
+            row["cublas_GBps"] = row["bytes_fp16"] / row["cublas_fp16_us"] / 1e3
+            row["speedup_vs_cublas"] = row["cublas_fp16_us"] / row["ours_us"]
+            if "autoawq_us" in row:
+                row["speedup_vs_autoawq"] = row["autoawq_us"] / row["ours_us"]
+            rows.append(row)
+            print(f"{name:<18} M={m:<5} ours {row['ours_us']:8.1f} us ({row['path']:<7}) "
+                  f"{row['ours_GBps']:7.0f} GB/s  cuBLAS {row['cublas_fp16_us']:8.1f} us  "
+                  f"x{row['speedup_vs_cublas']:.2f}  " + (f"AutoAWQ {row['autoawq_us']:8.1f} us"
+                                                          if "autoawq_us" in row else ""), flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_split_sweep(quick: bool) -> list[dict[str, Any]]:
+    """µs of the GEMV / tiled paths at forced split-K factors: data for ``w4a16_gemm._split_k``."""
+    from lightinfer.kernels import w4a16_gemm as wg
+
+    rows = []
+    for name in ("llama2-7b/qkv", "llama2-7b/o", "llama3-8b/down"):
+        k, n = LINEAR_SHAPES[name]
+        qweight = torch.randint(-2**31, 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int32)
+        scales = torch.rand(k // GROUP_SIZE, n, device="cuda").half() * 0.01
+        zeros = torch.full((k // GROUP_SIZE, n), 8.0, device="cuda").half()
+        nw = copies_for(n * k // 2)
+        sets = [(qweight.clone(), scales.clone(), zeros.clone()) for _ in range(nw)]
+        for path, m_list in (("gemv", (1, 2)), ("tiled", (16, 64))):
+            for m in m_list:
+                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                row: dict[str, Any] = {"shape": name, "path": path, "M": m}
+                for split in (1, 2, 4, 8, 16):
+                    row[f"split{split}_us"] = bench_us(
+                        lambda x=x, p=path, sk=split, ws=sets: [wg.w4a16_gemm_path(x, *w, path=p, split_k=sk)
+                                                                for w in ws], quick, nw)
+                row["auto_split"] = wg.pick_split_k(m, n, k, k // scales.shape[0], path, x.device)
+                rows.append(row)
+                print("split sweep", row, flush=True)
+    return rows
+
+
+def bench_attention(quick: bool) -> list[dict[str, Any]]:
+    """Paged decode (fp16 and int8 caches) vs SDPA on contiguous fp16 K/V, one layer."""
+    import torch.nn.functional as F
+    from lightinfer.kernels.kv_store import store_kvcache
+    from lightinfer.kernels.paged_attention import paged_attention_decode
+
+    h, hkv, d, bs = ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM, ATTN_BLOCK
+    rows = []
+    for b in ATTN_BATCHES:
+        for ctx in ATTN_CONTEXTS:
+            num_blocks = b * ctx // bs
+            table = torch.randperm(num_blocks, device="cuda").int().view(b, ctx // bs)
+            lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+            k = torch.randn(b, ctx, hkv, d, device="cuda", dtype=torch.float16)
+            v = torch.randn_like(k)
+            q = torch.randn(b, h, d, device="cuda", dtype=torch.float16)
+            slots = (table.long().unsqueeze(-1) * bs + torch.arange(bs, device="cuda")).view(-1)
+            row: dict[str, Any] = {"batch": b, "context": ctx}
+            for kind in ("fp16", "int8"):
+                dt = torch.int8 if kind == "int8" else torch.float16
+                kc = torch.empty(num_blocks, bs, hkv, d, device="cuda", dtype=dt)
+                vc = torch.empty_like(kc)
+                aux = [torch.empty(num_blocks, bs, hkv, device="cuda", dtype=torch.float16) for _ in range(4)] \
+                    if kind == "int8" else [None] * 4
+                store_kvcache(k.view(-1, hkv, d), v.view(-1, hkv, d), kc, vc, slots, *aux)
+                nbytes = 2 * kc.numel() * kc.element_size() + (4 * aux[0].numel() * 2 if kind == "int8" else 0)
+                nc = copies_for(nbytes)
+                sets = [(kc, vc, aux)] + [(kc.clone(), vc.clone(), [a if a is None else a.clone() for a in aux])
+                                          for _ in range(nc - 1)]
+                us = bench_us(lambda q=q, t=table, n=lens, cs=sets: [paged_attention_decode(q, c[0], c[1], t, n, d**-0.5, *c[2])
+                                                                for c in cs], quick, nc)
+                row[f"{kind}_us"], row[f"{kind}_GBps"] = us, nbytes / us / 1e3
+                del kc, vc, aux
+            kt, vt = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()  # [B, Hkv, ctx, D]
+            q4 = q.unsqueeze(2)  # [B, H, 1, D]
+            nc = copies_for(2 * kt.numel() * 2)
+            kv_sets = [(kt, vt)] + [(kt.clone(), vt.clone()) for _ in range(nc - 1)]
+            us = bench_us(lambda q4=q4, kvs=kv_sets: [F.scaled_dot_product_attention(q4, a, b, enable_gqa=True)
+                                                   for a, b in kvs], quick, nc)
+            row["sdpa_us"], row["sdpa_GBps"] = us, 2 * kt.numel() * 2 / us / 1e3
+            rows.append(row)
+            print(f"decode B={b:<3} ctx={ctx:<5} fp16 {row['fp16_us']:8.1f} us {row['fp16_GBps']:6.0f} GB/s  "
+                  f"int8 {row['int8_us']:8.1f} us {row['int8_GBps']:6.0f} GB/s  "
+                  f"SDPA {row['sdpa_us']:8.1f} us {row['sdpa_GBps']:6.0f} GB/s", flush=True)
+            del k, v, kt, vt
+            torch.cuda.empty_cache()
+    return rows
+
+
+def targets(copy_gbps: float, gemm: list[dict[str, Any]], attn: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets, each with the measured value and whether it was met."""
+    out: dict[str, Any] = {}
+
+    def mean_speedup(pred: Callable[[int], bool]) -> float | None:
+        xs = [r["speedup_vs_cublas"] for r in gemm if pred(r["M"])]
+        return sum(xs) / len(xs) if xs else None
+
+    for m, goal in ((1, 3.5), (16, 3.0), (64, 1.5)):
+        s = mean_speedup(lambda mm, m=m: mm == m)
+        if s is not None:
+            out[f"gemm_M{m}_mean_speedup_vs_cublas"] = {"value": s, "target": goal, "met": s >= goal}
+    big = [r for r in gemm if r["M"] >= 1024]
+    if big:
+        worst = min(r["speedup_vs_cublas"] for r in big)
+        out["gemm_M_ge_1024_min_ratio_vs_cublas"] = {"value": worst, "target": 0.9, "met": worst >= 0.9}
+    largest = sorted({(r["K"] * r["N"], r["shape"]) for r in gemm}, reverse=True)[:2]
+    for _, shape in largest:
+        r1 = [r for r in gemm if r["shape"] == shape and r["M"] == 1]
+        if r1:
+            frac = r1[0]["ours_GBps"] / copy_gbps
+            out[f"gemm_M1_{shape}_fraction_of_copy_bw"] = {"value": frac, "target": 0.65, "met": frac >= 0.65}
+    a = [r for r in attn if r["batch"] == 64 and r["context"] == 2048]
+    if a:
+        frac = a[0]["int8_GBps"] / copy_gbps
+        out["attn_int8_B64_ctx2048_fraction_of_copy_bw"] = {"value": frac, "target": 0.6, "met": frac >= 0.6}
+        out["attn_int8_faster_than_fp16_B64_ctx2048"] = {"value": a[0]["fp16_us"] / a[0]["int8_us"], "target": 1.0,
+                                                         "met": a[0]["int8_us"] < a[0]["fp16_us"]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; returns the process exit status (2 without CUDA)."""
+    p = argparse.ArgumentParser(description="lightinfer kernel benchmark (needs a CUDA GPU)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "kernels.json")
+    p.add_argument("--oracle-dir", type=Path, default=ROOT / ".oracle", help="unpacked autoawq 0.2.9 (optional)")
+    p.add_argument("--quick", action="store_true", help="shorter timing loops")
+    p.add_argument("--m", type=int, nargs="*", default=M_VALUES, help="GEMM M values")
+    p.add_argument("--skip", nargs="*", default=[], choices=["split_sweep", "gemm", "attn"], help="sections to skip")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs a CUDA GPU: torch.cuda.is_available() is False. Nothing measured.",
+              file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False  # baseline at fp32 accumulation
+    result: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "group_size": GROUP_SIZE, "errors": {},
+    }
+    import triton
+    from lightinfer.kernels import w4a16_gemm as wg
+
+    result["triton"] = triton.__version__
+    result["crossovers"] = {"GEMV_MAX_M": wg.GEMV_MAX_M, "TILED_MAX_M": wg.TILED_MAX_M}
+    result["timing"] = "CUDA-graph replay (triton do_bench_cudagraph), median, data rotated past the L2"
+    result["copy"] = copy_bandwidth(args.quick)
+    print(f"copy bandwidth: {result['copy']['GBps']:.0f} GB/s (read + write)", flush=True)
+    sections = {"split_sweep": lambda: bench_split_sweep(args.quick),
+                "gemm": lambda: bench_gemm(args.quick, args.oracle_dir, args.m),
+                "attn": lambda: bench_attention(args.quick)}
+    for name, fn in sections.items():
+        if name in args.skip:
+            continue
+        try:
+            result[name] = fn()
+        except Exception:  # noqa: BLE001 - keep what the other sections measured
+            result["errors"][name] = traceback.format_exc()[-3000:]
+            print(result["errors"][name], file=sys.stderr, flush=True)
+    result["targets"] = targets(result["copy"]["GBps"], result.get("gemm", []), result.get("attn", []))
+    for key, t in result["targets"].items():
+        print(f"{'MET ' if t['met'] else 'MISS'} {key}: {t['value']:.3f} (target {t['target']})")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+    return 1 if result["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

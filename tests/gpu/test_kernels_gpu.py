@@ -1,0 +1,167 @@
+"""The Triton kernels against their plain-PyTorch twins on a CUDA GPU at real model shapes.
+
+Skipped without CUDA, and under ``TRITON_INTERPRET=1`` (the interpreter at these shapes would
+take hours): run as ``pytest tests/gpu/test_kernels_gpu.py`` with the variable unset.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="real shapes: not under the interpreter"),
+]
+
+if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    from lightinfer.kernels import norm_rope as nr
+    from lightinfer.kernels import reference as ref
+    from lightinfer.kernels import w4a16_gemm as wg
+    from lightinfer.kernels.kv_store import store_kvcache
+    from lightinfer.kernels.paged_attention import (
+        paged_attention_decode,
+        paged_attention_decode_impl,
+        paged_attention_prefill,
+    )
+
+DEV = "cuda"
+# (K, N) of Llama-2-7B and Llama-3-8B linears: qkv, o, gate_up, down
+LINEAR_SHAPES = [(4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096),
+                 (4096, 6144), (4096, 28672), (14336, 4096)]
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12))
+
+
+def _weights(n: int, k: int, g: int, dtype: torch.dtype = torch.float16):
+    gen = torch.Generator(device=DEV).manual_seed(n + k)
+    codes = torch.randint(0, 16, (n, k), generator=gen, device=DEV, dtype=torch.int32)
+    scales = (torch.rand(k // g, n, generator=gen, device=DEV) * 0.01 + 0.001).to(dtype)
+    zeros = torch.randint(0, 16, (k // g, n), generator=gen, device=DEV).to(dtype)
+    return ref.pack_int4_rows(codes), scales, zeros
+
+
+@pytest.mark.parametrize("k,n", LINEAR_SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 100, 1024])
+def test_w4a16_all_paths_real_shapes(k: int, n: int, m: int) -> None:
+    qweight, scales, zeros = _weights(n, k, 128)
+    x = torch.randn(m, k, device=DEV, dtype=torch.float16)
+    bias = torch.randn(n, device=DEV, dtype=torch.float16)
+    want = ref.w4a16_gemm(x, qweight, scales, zeros, bias)
+    paths = ["tiled", "dequant"] + (["gemv"] if m <= 16 else [])
+    for path in paths:
+        got = wg.w4a16_gemm_path(x, qweight, scales, zeros, bias, path=path)
+        assert _rel_err(got, want) < 3e-3, (path, m, k, n)
+    assert _rel_err(wg.w4a16_gemm(x, qweight, scales, zeros, bias), want) < 3e-3
+
+
+@pytest.mark.parametrize("g", [32, 64])
+@pytest.mark.parametrize("n", [200, 4104])  # N = 8 * odd
+def test_w4a16_small_groups_ragged_n_bf16(g: int, n: int) -> None:
+    qweight, scales, zeros = _weights(n, 2048, g, torch.bfloat16)
+    for m in (1, 5, 64):
+        x = torch.randn(m, 2048, device=DEV, dtype=torch.bfloat16)
+        want = ref.w4a16_gemm(x, qweight, scales, zeros)
+        for path in ("gemv", "tiled", "dequant") if m <= 16 else ("tiled", "dequant"):
+            assert _rel_err(wg.w4a16_gemm_path(x, qweight, scales, zeros, path=path), want) < 1e-2, (path, m)
+
+
+def _paged(ctx: list[int], num_kv_heads: int, head_dim: int, block_size: int, int8: bool):
+    """Random K/V for each sequence stored (by our kernel) into shuffled blocks; returns the dense K/V too."""
+    nblk = [(c + block_size - 1) // block_size for c in ctx]
+    num_blocks = sum(nblk) + 8
+    perm = torch.randperm(num_blocks, device=DEV)
+    table = torch.full((len(ctx), max(nblk) + 1), -1, dtype=torch.int32, device=DEV)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    kc = torch.zeros(shape, dtype=torch.int8 if int8 else torch.float16, device=DEV)
+    vc = torch.zeros_like(kc)
+    aux = [torch.zeros(shape[:3], dtype=torch.float16, device=DEV) for _ in range(4)] if int8 else [None] * 4
+    dense = []
+    used = 0
+    for s, (n, nb) in enumerate(zip(ctx, nblk)):
+        table[s, :nb] = perm[used:used + nb].int()
+        used += nb
+        pos = torch.arange(n, device=DEV)
+        slots = table[s, pos // block_size].long() * block_size + pos % block_size
+        k = torch.randn(n, num_kv_heads, head_dim, device=DEV, dtype=torch.float16)
+        v = torch.randn(n, num_kv_heads, head_dim, device=DEV, dtype=torch.float16)
+        store_kvcache(k, v, kc, vc, slots, *aux)
+        dense.append((k, v))
+    return kc, vc, table, torch.tensor(ctx, dtype=torch.int32, device=DEV), aux, dense
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(32, 32), (32, 8), (64, 8)])
+def test_decode_real_shapes(int8: bool, num_heads: int, num_kv_heads: int) -> None:
+    ctx = [1, 15, 16, 17, 511, 512, 513, 4000]
+    kc, vc, table, lens, aux, _ = _paged(ctx, num_kv_heads, 128, 16, int8)
+    q = torch.randn(len(ctx), num_heads, 128, device=DEV, dtype=torch.float16)
+    want = ref.paged_attention_decode(q, kc, vc, table, lens, 128**-0.5, *aux)
+    assert _rel_err(paged_attention_decode(q, kc, vc, table, lens, 128**-0.5, *aux), want) < 2e-3
+    one = paged_attention_decode_impl(q, kc, vc, table, lens, 128**-0.5, *aux, partition_size=8192)
+    assert _rel_err(one, want) < 2e-3
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_prefill_real_shapes(int8: bool) -> None:
+    q_lens, prefix = [1, 300, 1000, 37], [0, 64, 500, 1]
+    ctx = [p + n for p, n in zip(prefix, q_lens)]
+    kc, vc, table, lens, aux, _ = _paged(ctx, 8, 128, 16, int8)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    q = torch.randn(sum(q_lens), 32, 128, device=DEV, dtype=torch.float16)
+    want = ref.paged_attention_prefill(q, kc, vc, cu, lens, table, 128**-0.5, *aux)
+    assert _rel_err(paged_attention_prefill(q, kc, vc, cu, lens, table, 128**-0.5, *aux), want) < 2e-3
+
+
+def test_int8_kv_round_trip_error_bound() -> None:
+    ctx = [2048, 777]
+    kc, vc, table, lens, aux, dense = _paged(ctx, 8, 128, 16, True)
+    ks, kz, vs, vz = aux
+    for s, (k, v) in enumerate(dense):
+        for cache, scale, zero, x in ((kc, ks, kz, k), (vc, vs, vz, v)):
+            back = ref.gather_kv(cache, table[s], ctx[s], scale, zero, torch.float32)
+            sc = ref.gather_kv(scale.unsqueeze(-1), table[s], ctx[s], None, None, torch.float32)
+            # half a quantization step + fp16 rounding of the stored zero point
+            bound = sc / 2 + x.float().abs().amax(-1, keepdim=True) * 2**-10 + 1e-6
+            assert ((back - x.float()).abs() <= bound).all()
+    # end to end: attention over the int8 cache stays close to attention over the fp16 values
+    q = torch.randn(2, 32, 128, device=DEV, dtype=torch.float16)
+    fp = torch.stack([ref._attend(q[i:i + 1], k, v, 128**-0.5, ctx[i] - 1)[0] for i, (k, v) in enumerate(dense)])
+    assert _rel_err(paged_attention_decode(q, kc, vc, table, lens, 128**-0.5, *aux), fp) < 2e-2
+
+
+def test_kv_store_matches_reference_bitwise() -> None:
+    t, h, d, bs = 4096, 8, 128, 16
+    key = torch.randn(t, h, d, device=DEV, dtype=torch.float16) * 3
+    value = torch.randn(t, h, d, device=DEV, dtype=torch.float16)
+    slots = torch.randperm(512 * bs, device=DEV)[:t]
+    slots[::97] = -1
+    out = []
+    for fn in (ref.store_kvcache, store_kvcache):
+        kc = torch.zeros(512, bs, h, d, dtype=torch.int8, device=DEV)
+        vc = torch.zeros_like(kc)
+        aux = [torch.zeros(512, bs, h, dtype=torch.float16, device=DEV) for _ in range(4)]
+        fn(key, value, kc, vc, slots, *aux)
+        out.append((kc, vc, *aux))
+    for a, b in zip(*out):
+        assert torch.equal(a, b)
+
+
+def test_norm_rope_act_real_shapes() -> None:
+    x = torch.randn(512, 4096, device=DEV, dtype=torch.float16)
+    r = torch.randn(512, 4096, device=DEV, dtype=torch.float16)
+    w = torch.rand(4096, device=DEV, dtype=torch.float16)
+    assert _rel_err(nr.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5)) < 1e-3
+    o, res = nr.fused_add_rms_norm(x, r, w, 1e-5)
+    o2, res2 = ref.fused_add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(res, res2) and _rel_err(o, o2) < 1e-3
+    q = torch.randn(512, 32, 128, device=DEV, dtype=torch.bfloat16)
+    cos, sin = torch.randn(512, 64, device=DEV), torch.randn(512, 64, device=DEV)
+    assert _rel_err(nr.apply_rotary(q, cos, sin), ref.apply_rotary(q, cos, sin)) < 5e-3
+    y = torch.randn(512, 2 * 14336, device=DEV, dtype=torch.float16)
+    assert _rel_err(nr.silu_and_mul(y), ref.silu_and_mul(y)) < 1e-3

@@ -1,0 +1,71 @@
+"""RMSNorm, fused add + RMSNorm, rotary and SiLU-and-mul against their twins under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightinfer.kernels import norm_rope as nr
+from lightinfer.kernels import reference as ref
+
+# The interpreter truncates fp32 -> bf16 (the GPU rounds to nearest): allow 2 bf16 ulps.
+TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+       torch.bfloat16: {"atol": 3e-2, "rtol": 2e-2}}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (3, 5, 72), (7, 576)])
+def test_rms_norm(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    x = (torch.randn(shape) * 3).to(dtype)
+    w = torch.randn(shape[-1]).to(dtype)
+    torch.testing.assert_close(nr.rms_norm(x, w, 1e-6).float(), ref.rms_norm(x, w, 1e-6).float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_leaves_inputs(dtype: torch.dtype) -> None:
+    x, r = torch.randn(5, 200).to(dtype), torch.randn(5, 200).to(dtype)
+    w = torch.rand(200).to(dtype)
+    x0, r0 = x.clone(), r.clone()
+    out, res = nr.fused_add_rms_norm(x, r, w, 1e-5)
+    out_ref, res_ref = ref.fused_add_rms_norm(x, r, w, 1e-5)
+    torch.testing.assert_close(res.float(), res_ref.float(), **TOL[dtype])
+    torch.testing.assert_close(out.float(), out_ref.float(), **TOL[dtype])
+    assert torch.equal(x, x0) and torch.equal(r, r0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 1, 16), (7, 9, 64), (3, 5, 80)])
+def test_apply_rotary(dtype: torch.dtype, tokens: int, heads: int, head_dim: int) -> None:
+    x = torch.randn(tokens, heads, head_dim).to(dtype)
+    pos = torch.arange(tokens).float().unsqueeze(1)
+    freqs = pos * 10000.0 ** (-torch.arange(head_dim // 2).float() / (head_dim // 2))
+    cos, sin = freqs.cos(), freqs.sin()
+    torch.testing.assert_close(nr.apply_rotary(x, cos, sin).float(), ref.apply_rotary(x, cos, sin).float(),
+                               **TOL[dtype])
+
+
+def test_apply_rotary_strided_q_slice() -> None:
+    qk = torch.randn(4, 6, 32)
+    q = qk[:, :4]  # heads 0..3 of a fused q/k tensor: token stride 6 * 32
+    cos, sin = torch.randn(4, 16), torch.randn(4, 16)
+    torch.testing.assert_close(nr.apply_rotary(q, cos, sin), ref.apply_rotary(q, cos, sin))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 2), (3, 2 * 1100), (2, 3, 2 * 72)])
+def test_silu_and_mul(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    x = (torch.randn(shape) * 4).to(dtype)
+    torch.testing.assert_close(nr.silu_and_mul(x).float(), ref.silu_and_mul(x).float(), **TOL[dtype])
+
+
+def test_validation_errors() -> None:
+    with pytest.raises(ValueError):
+        nr.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
+    with pytest.raises(ValueError):
+        nr.fused_add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.randn(8), 1e-6)
+    with pytest.raises(ValueError):
+        nr.apply_rotary(torch.randn(2, 1, 8), torch.randn(2, 3), torch.randn(2, 3))
+    with pytest.raises(ValueError):
+        nr.silu_and_mul(torch.randn(2, 7))
+    with pytest.raises(ValueError):
+        nr.rms_norm(torch.randint(0, 3, (2, 8)), torch.randn(8), 1e-6)

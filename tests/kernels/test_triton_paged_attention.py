@@ -1,0 +1,122 @@
+"""Paged attention decode/prefill against the reference twins under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightinfer.kernels import reference as ref
+from lightinfer.kernels.paged_attention import (
+    paged_attention_decode,
+    paged_attention_decode_impl,
+    paged_attention_prefill,
+)
+
+TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.float16: {"atol": 3e-3, "rtol": 3e-3},
+       torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2}}
+
+
+def _cache(ctx_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, cache_dtype: torch.dtype,
+           dtype: torch.dtype, seed: int = 0):
+    """Random K/V for every sequence, written into shuffled blocks (by the reference store: the kernel is
+    tested on its own and is slow under the interpreter); table padded with -1."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [(c + block_size - 1) // block_size for c in ctx_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # spare blocks hold garbage that must never be read
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.full((len(ctx_lens), max(blocks_per_seq) + 2), -1, dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    kc = (torch.randn(shape, generator=gen) * 100).to(cache_dtype)  # garbage everywhere first
+    vc = (torch.randn(shape, generator=gen) * 100).to(cache_dtype)
+    aux = [torch.rand(shape[:3], generator=gen).half() for _ in range(4)] if cache_dtype == torch.int8 else [None] * 4
+    used = 0
+    for s, (n, nb) in enumerate(zip(ctx_lens, blocks_per_seq)):
+        table[s, :nb] = perm[used:used + nb].int()
+        used += nb
+        slots = table[s, torch.arange(n) // block_size].long() * block_size + torch.arange(n) % block_size
+        k = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+        ref.store_kvcache(k, v, kc, vc, slots, *aux)
+    return kc, vc, table, torch.tensor(ctx_lens, dtype=torch.int32), aux
+
+
+CACHES = [  # (cache dtype, query dtype)
+    (torch.float32, torch.float32),
+    (torch.float16, torch.float16),
+    (torch.int8, torch.float16),
+    (torch.int8, torch.float32),
+]
+
+
+@pytest.mark.parametrize("cache_dtype,dtype", CACHES)
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode(cache_dtype: torch.dtype, dtype: torch.dtype, group: int) -> None:
+    num_kv_heads = 2 if group < 8 else 1
+    ctx = [1, 16, 17, 130]  # one token, exactly one block, crossing a block, several partitions
+    kc, vc, table, lens, aux = _cache(ctx, num_kv_heads, 32, 16, cache_dtype, dtype, seed=group)
+    q = torch.randn(len(ctx), num_kv_heads * group, 32).to(dtype)
+    want = ref.paged_attention_decode(q, kc, vc, table, lens, 32**-0.5, *aux)
+    got = paged_attention_decode(q, kc, vc, table, lens, 32**-0.5, *aux)  # one partition per sequence
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    split = paged_attention_decode_impl(q, kc, vc, table, lens, 32**-0.5, *aux, partition_size=64)  # + reduction
+    torch.testing.assert_close(split.float(), want.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("head_dim,block_size", [(80, 8), (64, 1)])
+def test_decode_odd_head_dim_and_block_size(head_dim: int, block_size: int) -> None:
+    kc, vc, table, lens, aux = _cache([5, 23], 2, head_dim, block_size, torch.float16, torch.float16)
+    q = torch.randn(2, 4, head_dim).half()
+    want = ref.paged_attention_decode(q, kc, vc, table, lens, 0.1, *aux)
+    torch.testing.assert_close(paged_attention_decode(q, kc, vc, table, lens, 0.1, *aux).float(), want.float(),
+                               **TOL[torch.float16])
+
+
+def test_decode_bf16() -> None:
+    kc, vc, table, lens, aux = _cache([3, 40], 2, 32, 16, torch.bfloat16, torch.bfloat16)
+    q = torch.randn(2, 8, 32).bfloat16()
+    want = ref.paged_attention_decode(q, kc, vc, table, lens, 32**-0.5, *aux)
+    torch.testing.assert_close(paged_attention_decode(q, kc, vc, table, lens, 32**-0.5, *aux).float(), want.float(),
+                               **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("cache_dtype,dtype", CACHES)
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_prefill(cache_dtype: torch.dtype, dtype: torch.dtype, group: int) -> None:
+    num_kv_heads = 2 if group == 1 else 1
+    q_lens = [1, 17, 70, 5]
+    prefix = [0, 16, 3, 40]  # no prefix, block-aligned prefix-cache hit, ragged chunked-prefill prefixes
+    ctx = [p + n for p, n in zip(prefix, q_lens)]
+    kc, vc, table, lens, aux = _cache(ctx, num_kv_heads, 32, 16, cache_dtype, dtype, seed=group)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), num_kv_heads * group, 32).to(dtype)
+    want = ref.paged_attention_prefill(q, kc, vc, cu, lens, table, 32**-0.5, *aux)
+    got = paged_attention_prefill(q, kc, vc, cu, lens, table, 32**-0.5, *aux)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+def test_prefill_single_token_sequences_equal_decode() -> None:
+    kc, vc, table, lens, aux = _cache([1, 9, 33], 2, 32, 16, torch.int8, torch.float16)
+    q = torch.randn(3, 4, 32).half()
+    cu = torch.arange(4, dtype=torch.int32)
+    pre = paged_attention_prefill(q, kc, vc, cu, lens, table, 0.2, *aux)
+    dec = paged_attention_decode(q, kc, vc, table, lens, 0.2, *aux)
+    torch.testing.assert_close(pre.float(), dec.float(), **TOL[torch.float16])
+
+
+@pytest.mark.parametrize("case", ["heads", "head_dim", "aux", "table_dtype", "lens_shape", "cache_dtype"])
+def test_validation_errors(case: str) -> None:
+    kc, vc, table, lens, aux = _cache([3, 5], 2, 16, 4, torch.int8, torch.float16)
+    q = torch.randn(2, 4, 16).half()
+    if case == "heads":
+        q = torch.randn(2, 3, 16).half()
+    elif case == "head_dim":
+        q = torch.randn(2, 4, 8).half()
+    elif case == "aux":
+        aux[1] = None
+    elif case == "table_dtype":
+        table = table.float()
+    elif case == "lens_shape":
+        lens = lens[:1]
+    elif case == "cache_dtype":
+        kc, vc = kc.to(torch.int16), vc.to(torch.int16)
+    with pytest.raises(ValueError):
+        paged_attention_decode(q, kc, vc, table, lens, 0.25, *aux)

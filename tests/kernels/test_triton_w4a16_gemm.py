@@ -1,0 +1,130 @@
+"""W4A16 GEMM (every path) against ``reference.w4a16_gemm`` under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightinfer.kernels import reference as ref
+from lightinfer.kernels import w4a16_gemm as wg
+
+
+def _weights(n: int, k: int, g: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    qweight = ref.pack_int4_rows(codes)
+    scales = (torch.rand(k // g, n, generator=gen) * 0.02 + 0.002).to(dtype)
+    zeros = torch.randint(0, 16, (k // g, n), generator=gen).to(dtype)
+    return qweight, scales, zeros
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    # fp16 output rounding ~5e-4 relative; the interpreter truncates fp32->bf16 (2 ulp ~ 1.6e-2).
+    return {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.float16: {"atol": 1e-2, "rtol": 1e-2},
+            torch.bfloat16: {"atol": 5e-2, "rtol": 3e-2}}[dtype]
+
+
+SHAPES = [  # (M, N, K, G): N = 8 * odd, M = 1 / not a multiple of any block / > 16
+    (1, 72, 256, 32),
+    (3, 200, 128, 64),
+    (2, 8, 128, 128),
+    (17, 72, 256, 128),
+    (5, 200, 384, 128),
+]
+
+
+@pytest.mark.parametrize("path", ["gemv", "tiled", "dequant"])
+@pytest.mark.parametrize("m,n,k,g", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_paths_match_reference(path: str, m: int, n: int, k: int, g: int, dtype: torch.dtype) -> None:
+    if path == "gemv" and m > 16:
+        pytest.skip("gemv handles small M only")
+    qweight, scales, zeros = _weights(n, k, g, dtype)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(dtype)
+    want = ref.w4a16_gemm(x, qweight, scales, zeros, bias)
+    for split_k in (1, 3):
+        got = wg.w4a16_gemm_path(x, qweight, scales, zeros, bias, path=path, split_k=split_k)
+        assert got.dtype == dtype and got.shape == (m, n)
+        torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_public_launcher_auto_path_no_bias(m: int) -> None:
+    qweight, scales, zeros = _weights(200, 256, 64, torch.float16, seed=m)
+    x = torch.randn(m, 256).half()
+    torch.testing.assert_close(wg.w4a16_gemm(x, qweight, scales, zeros).float(),
+                               ref.w4a16_gemm(x, qweight, scales, zeros).float(), **_tol(torch.float16))
+
+
+def test_bf16_and_strided_x() -> None:
+    qweight, scales, zeros = _weights(72, 128, 32, torch.bfloat16)
+    big = torch.randn(4, 256).bfloat16()
+    x = big[:, :128]  # row stride 256: a view, not a copy
+    for path in ("gemv", "tiled"):
+        got = wg.w4a16_gemm_path(x, qweight, scales, zeros, path=path)
+        torch.testing.assert_close(got.float(), ref.w4a16_gemm(x, qweight, scales, zeros).float(),
+                                   **_tol(torch.bfloat16))
+
+
+def test_awq_disk_layout_round_trip() -> None:
+    # Independent oracle: dense W from the codes, AWQ disk tensors -> repack -> kernel.
+    n, k, g = 72, 128, 32
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)  # [in, out]
+    zcodes = torch.randint(0, 16, (k // g, n), generator=gen, dtype=torch.int32)
+    scales = torch.rand(k // g, n, generator=gen) * 0.05 + 0.01
+    w = (codes - zcodes.repeat_interleave(g, 0)).float() * scales.repeat_interleave(g, 0)  # [K, N]
+    qw, s, z = ref.repack_awq_to_runtime(ref.pack_awq(codes), ref.pack_awq(zcodes), scales, torch.float32)
+    x = torch.randn(3, k, generator=gen)
+    for path in ("gemv", "tiled", "dequant"):
+        torch.testing.assert_close(wg.w4a16_gemm_path(x, qw, s, z, path=path), x @ w, atol=1e-4, rtol=1e-4)
+
+
+def test_pick_path_and_configs() -> None:
+    assert wg.pick_path(1) == "gemv" and wg.pick_path(wg.GEMV_MAX_M) == "gemv"
+    assert wg.pick_path(wg.GEMV_MAX_M + 1) == "tiled" and wg.pick_path(wg.TILED_MAX_M) == "tiled"
+    assert wg.pick_path(wg.TILED_MAX_M + 1) == "dequant"
+    assert {c.group_size for c in wg.GEMV_CONFIGS} == set(wg.SUPPORTED_GROUP_SIZES)
+    assert all(c.block_m >= 16 and c.block_n >= 16 for c in wg.TILED_CONFIGS)  # tl.dot minimum
+
+
+def test_large_m_uses_dequant_path() -> None:
+    qweight, scales, zeros = _weights(8, 64, 32, torch.float32)
+    x = torch.randn(wg.TILED_MAX_M + 3, 64)
+    torch.testing.assert_close(wg.w4a16_gemm(x, qweight, scales, zeros), ref.w4a16_gemm(x, qweight, scales, zeros),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_empty_m() -> None:
+    qweight, scales, zeros = _weights(8, 64, 32, torch.float16)
+    assert wg.w4a16_gemm(torch.empty(0, 64).half(), qweight, scales, zeros).shape == (0, 8)
+
+
+@pytest.mark.parametrize("case", ["k_mismatch", "group", "x_dtype", "qw_dtype", "x_stride", "qw_noncontig",
+                                  "bias_shape", "zeros_shape", "n_not_mult8", "ragged_groups"])
+def test_validation_errors(case: str) -> None:
+    qweight, scales, zeros = _weights(16, 128, 32, torch.float16)
+    x = torch.randn(2, 128).half()
+    bias = None
+    if case == "k_mismatch":
+        x = torch.randn(2, 64).half()
+    elif case == "group":
+        scales, zeros = torch.rand(8, 16).half(), torch.zeros(8, 16).half()  # G = 16: not supported
+    elif case == "x_dtype":
+        x = torch.randint(0, 3, (2, 128))
+    elif case == "qw_dtype":
+        qweight = qweight.to(torch.int64)
+    elif case == "x_stride":
+        x = torch.randn(128, 2).half().t()
+    elif case == "qw_noncontig":
+        qweight = torch.cat([qweight, qweight], 1)[:, ::2]
+    elif case == "bias_shape":
+        bias = torch.zeros(15).half()
+    elif case == "zeros_shape":
+        zeros = zeros[:, :8]
+    elif case == "n_not_mult8":
+        qweight, scales, zeros = qweight[:12], scales[:, :12].contiguous(), zeros[:, :12].contiguous()
+    elif case == "ragged_groups":
+        scales, zeros = torch.rand(3, 16).half(), torch.zeros(3, 16).half()  # 128 % 3 != 0
+    with pytest.raises(ValueError):
+        wg.w4a16_gemm(x, qweight, scales, zeros, bias)

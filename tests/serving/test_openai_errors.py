@@ -1,0 +1,166 @@
+"""Every error status of the API, in OpenAI's error JSON, through the official client (fake engine)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from conftest import LiveServer, fake_engine, start_server, wait_idle
+
+from lightinfer.entrypoints.server import build_app
+
+MODEL = "fake-model"
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def client(fake_server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{fake_server.url}/v1", api_key="test-key", max_retries=0)
+
+
+def test_happy_path_on_fake(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == "The capital "
+    assert r.usage.completion_tokens == 12
+    parts = [p.choices[0].text for p in client.completions.create(model=MODEL, prompt="x", max_tokens=6, temperature=0,
+                                                       stream=True)]
+    assert "".join(parts) == "The ca"
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key"])
+def test_401_wrong_or_missing_key(fake_server: LiveServer, key: str | None) -> None:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = httpx.post(f"{fake_server.url}/v1/chat/completions", json={"model": MODEL, "messages": MSG}, headers=headers)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{fake_server.url}/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_404_unknown_model(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=MSG)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4o", prompt="x")
+
+
+def test_404_unknown_path(fake_server: LiveServer) -> None:
+    r = httpx.get(f"{fake_server.url}/v1/nothing", headers={"Authorization": "Bearer test-key"})
+    assert r.status_code == 404 and "error" in r.json()
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"n": 0}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
+    ({"extra_body": {"min_p": 2}}, "min_p"),
+])
+def test_400_bad_parameters(client: openai.OpenAI, kwargs: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MSG, **kwargs)
+    assert e.value.status_code == 400 and param in e.value.body["message"]
+
+
+def test_400_prompt_longer_than_context(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x" * 600}])
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hello", max_tokens=10_000)
+
+
+def test_400_malformed_body(fake_server: LiveServer) -> None:
+    h = {"Authorization": "Bearer test-key"}
+    for body in ({"model": MODEL}, {"model": MODEL, "messages": []}, {"model": MODEL, "messages": [{"role": "x"}]}):
+        r = httpx.post(f"{fake_server.url}/v1/chat/completions", json=body, headers=h)
+        assert r.status_code == 400, body
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{fake_server.url}/v1/completions", content=b"{not json", headers=h)
+    assert r.status_code == 400
+
+
+def test_413_body_too_large(fake_server: LiveServer) -> None:
+    r = httpx.post(f"{fake_server.url}/v1/completions", headers={"Authorization": "Bearer test-key"},
+                   json={"model": MODEL, "prompt": "x" * 100_000})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_503_when_overloaded() -> None:
+    engine = fake_engine(step_delay=0.02, max_waiting=2, max_num_seqs=1)
+    live = start_server(build_app(engine, enable_ui=False), engine)
+    try:
+        async def main() -> list[int]:
+            async with httpx.AsyncClient(base_url=f"{live.url}/v1", timeout=60) as c:
+                body = {"model": MODEL, "prompt": "x", "max_tokens": 20, "temperature": 0}
+                rs = await asyncio.gather(*[c.post("/completions", json=body) for _ in range(10)])
+                for r in rs:
+                    if r.status_code == 503:
+                        assert r.json()["error"]["code"] == "overloaded"
+                return [r.status_code for r in rs]
+
+        codes = asyncio.run(main())
+        assert 503 in codes and 200 in codes and set(codes) <= {200, 503}
+        with pytest.raises(openai.InternalServerError):  # the client maps 503 so (no retries here)
+            async def flood() -> None:
+                cl = openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0)
+                await asyncio.gather(*[cl.completions.create(model=MODEL, prompt="x", max_tokens=20)
+                                       for _ in range(10)])
+            asyncio.run(flood())
+        assert "lightinfer_requests_rejected_total" in httpx.get(f"{live.url}/metrics").text
+        wait_idle(live.url)
+    finally:
+        live.stop()
+
+
+def test_failed_step_is_an_error_event_and_server_lives(client: openai.OpenAI, fake_server: LiveServer) -> None:
+    with pytest.raises(openai.InternalServerError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "FAIL_STEP"}])
+    with pytest.raises(openai.APIError, match="simulated kernel failure"):
+        for _ in client.chat.completions.create(model=MODEL, stream=True,
+                                                messages=[{"role": "user", "content": "FAIL_STEP"}]):
+            pass
+    assert client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=3, temperature=0) \
+        .choices[0].message.content == "The"
+    assert httpx.get(f"{fake_server.url}/health").status_code == 200
+
+
+def test_ui_auth_guards_the_ui() -> None:
+    engine = fake_engine()
+    live = start_server(build_app(engine, ui_auth=("alice", "s3cret")), engine)
+    try:
+        assert httpx.get(f"{live.url}/config").status_code == 401
+        r = httpx.post(f"{live.url}/login", data={"username": "alice", "password": "bad"})
+        assert r.status_code in (400, 401)
+        with httpx.Client(base_url=live.url) as c:
+            assert c.post("/login", data={"username": "alice", "password": "s3cret"}).status_code == 200
+            assert c.get("/config").status_code == 200
+        assert httpx.get(f"{live.url}/health").status_code == 200  # health stays open
+    finally:
+        live.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_aborts(stream: bool) -> None:
+    """The request would take 400 steps x 20 ms = 8 s; the client leaves after ~0.5 s."""
+    engine = fake_engine(step_delay=0.02)
+    live = start_server(build_app(engine, enable_ui=False), engine)
+    try:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 400, "temperature": 0, "stream": stream}
+        with httpx.Client(base_url=live.url, timeout=httpx.Timeout(5, read=0.5)) as c:
+            if stream:
+                with c.stream("POST", "/v1/completions", json=body) as r:
+                    for i, _ in enumerate(r.iter_lines()):
+                        if i == 10:
+                            break  # closing the response drops the connection
+            else:
+                with pytest.raises(httpx.ReadTimeout):
+                    c.post("/v1/completions", json=body)
+        stats = wait_idle(live.url, timeout=3)  # well before the 8 s the request would take
+        assert stats["num_generation_tokens"] < 300
+    finally:
+        live.stop()

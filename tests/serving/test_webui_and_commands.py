@@ -1,0 +1,94 @@
+"""Chat UI helpers (history formats, context trimming) and the serve / demo commands (no model)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from serving_fakes import FakeTokenizer
+
+from lightinfer.entrypoints import commands
+from webui.app import content_text, fit_context, history_messages, model_panel
+
+
+def test_history_content_as_string_or_blocks() -> None:
+    history = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]},
+        {"role": "assistant", "content": "", "metadata": {"title": "3 tokens", "id": "lightinfer-stats"}},
+        {"role": "user", "content": [{"type": "file", "path": "/x.png"}, {"type": "text", "text": "and this?"}]},
+        {"role": "user", "content": {"path": "/only-a-file.png"}},
+    ]
+    assert history_messages(history) == [
+        {"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"},
+        {"role": "user", "content": "and this?"}]
+    assert content_text(None) == "" and content_text(("a", {"type": "text", "text": "b"})) == "ab"
+
+
+def test_long_conversation_trimmed_from_oldest_turn() -> None:
+    tok = FakeTokenizer()
+    turns = []
+    for i in range(20):
+        turns += [{"role": "user", "content": f"question {i} " + "x" * 40},
+                  {"role": "assistant", "content": f"answer {i} " + "y" * 40}]
+    turns.append({"role": "user", "content": "last question"})
+    ids, dropped, max_new = fit_context(tok, "be brief", turns, max_model_len=400, max_new_tokens=100)
+    assert dropped > 0 and dropped % 2 == 0  # whole (user, assistant) turns
+    assert len(ids) + max_new <= 400 and max_new == 100
+    text = tok.decode(ids)
+    assert "last question" in text and "be brief" in text and "question 0 " not in text
+
+
+def test_message_too_long_alone_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="context holds 100"):
+        fit_context(FakeTokenizer(), "", [{"role": "user", "content": "z" * 500}], 100, 10)
+    ids, dropped, max_new = fit_context(FakeTokenizer(), "", [{"role": "user", "content": "z" * 50}], 100, 90)
+    assert dropped == 0 and len(ids) + max_new == 100  # the reply budget shrinks to what fits
+
+
+def test_model_panel_lists_quantization() -> None:
+    md = model_panel({"model": "m", "quantization": {"method": "awq", "bits": 4, "group_size": 64},
+                      "kv_cache_dtype": "int8", "weight_bytes": 2**20, "kv_pool_tokens": 4096, "num_kv_blocks": 256,
+                      "block_size": 16, "max_model_len": 2048, "device": "cpu", "dtype": "float32"})
+    assert "AWQ W4A16, group size 64" in md and "int8" in md and "4,096 tokens" in md
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    commands.register(p.add_subparsers(dest="cmd"))
+    return p.parse_args(argv)
+
+
+def test_serve_defaults_are_safe() -> None:
+    a = _parse(["serve", "some/model"])
+    assert (a.host, a.port, a.kv_cache_dtype, a.func) == ("127.0.0.1", 7860, "auto", commands.run_serve)
+    d = _parse(["demo"])
+    assert d.kv_cache_dtype == "int8" and d.host == "127.0.0.1" and d.func is commands.run_demo
+    with pytest.raises(SystemExit, match="USER:PASS"):
+        commands._parse_ui_auth("nopassword")
+    assert commands._parse_ui_auth("u:p:q") == ("u", "p:q")
+
+
+def test_demo_quantizes_once_then_reuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+
+    class Summary:
+        def format(self) -> str:
+            return "summary"
+
+    def fake_quantize(src: str, out: str, config: object, *, force: bool, progress: bool) -> Summary:
+        calls.append((src, out))
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "config.json").write_text("{}")
+        return Summary()
+
+    import lightinfer.quant.api as qapi
+
+    monkeypatch.setattr(qapi, "quantize", fake_quantize)
+    first = commands.ensure_quantized()
+    assert first == tmp_path / "lightinfer" / "smollm2-135m-instruct-awq" and len(calls) == 1
+    assert commands.ensure_quantized() == first and len(calls) == 1  # cached: no second run
+    commands.ensure_quantized(requantize=True)
+    assert len(calls) == 2
