@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightinfer.kernels.reference import repack_awq_to_runtime
+from lightinfer.kernels.reference import dequantize_w4, repack_awq_to_runtime
 from lightinfer.layers.ops import ops_for
 
 
@@ -54,6 +54,7 @@ class W4A16Linear(nn.Module):
         self.register_buffer("scales", torch.zeros(num_groups, out_features, dtype=dtype))
         self.register_buffer("zeros", torch.zeros(num_groups, out_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self._dense: torch.Tensor | None = None  # CPU only: the weight dequantized once, [out, in]
 
     @torch.no_grad()
     def load_awq(self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> None:
@@ -74,10 +75,20 @@ class W4A16Linear(nn.Module):
         self.qweight.copy_(qw)
         self.scales.copy_(s)
         self.zeros.copy_(z)
+        self._dense = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., in]`` -> ``[..., out]`` (fp32 accumulation)."""
+        """``x [..., in]`` -> ``[..., out]`` (fp32 accumulation).
+
+        On CUDA the Triton kernel reads the 4-bit weight every call (that is the point: 4x fewer
+        bytes). On a CPU, where only correctness matters, the weight is dequantized once and kept:
+        dequantizing per step would cost more than the matmul itself.
+        """
         shape = x.shape
+        if not x.is_cuda:
+            if self._dense is None:
+                self._dense = dequantize_w4(self.qweight, self.scales, self.zeros)
+            return F.linear(x, self._dense.to(x.dtype), self.bias)
         y = ops_for(x).w4a16_gemm(x.reshape(-1, shape[-1]), self.qweight, self.scales, self.zeros, self.bias)
         return y.reshape(*shape[:-1], self.out_features)
 
