@@ -5,6 +5,18 @@ Public names: :class:`LLM`, :class:`SamplingParams`, :func:`pipeline`, :func:`qu
 
 from __future__ import annotations
 
+import os as _os
+
+# In a source checkout the layers live in sibling folders (kernels/, models/, quant/, webui/) that
+# pyproject's package-dir maps to lightinfer.kernels etc. An install that ignores package-dir (a
+# legacy `setup.py develop`, or running from the checkout with nothing installed) would not find
+# them; adding the checkout root to this package's path does.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isfile(
+    _os.path.join(_root, "kernels", "reference.py")
+):
+    __path__.append(_root)  # type: ignore[name-defined]
+
 from lightinfer.llm import LLM, pipeline
 from lightinfer.outputs import CompletionOutput, RequestOutput
 from lightinfer.sampling_params import SamplingParams
