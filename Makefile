@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-stamp
 
+ORACLE := .oracle/autoawq-0.2.9/awq/modules/triton/gemm.py
+
 .PHONY: install demo test lint clean
 
 $(PY):
@@ -20,11 +22,19 @@ $(STAMP): $(PY) pyproject.toml
 
 install: $(STAMP)
 
+# AutoAWQ 0.2.9's source: a test-only oracle for the checkpoint format and its Triton GEMM.
+# Downloaded into the git-ignored .oracle/, never installed or committed.
+$(ORACLE): $(PY)
+	mkdir -p .oracle
+	$(PIP) download -q --no-deps --no-binary :all: autoawq==0.2.9 -d .oracle
+	tar xzf .oracle/autoawq-0.2.9.tar.gz -C .oracle
+	touch $(ORACLE)
+
 demo: $(STAMP)
 	$(VENV)/bin/lightinfer demo
 
 # Kernels run under Triton's CPU interpreter on machines without a GPU.
-test: $(STAMP)
+test: $(STAMP) $(ORACLE)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -x --durations=15 tests
 
 lint: $(STAMP)

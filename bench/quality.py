@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/lightinfer-quality", help="where the quantized models go")
     ap.add_argument("--num-samples", type=int, default=QuantConfig().num_samples)
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--reuse", action="store_true", help="keep quantized models already in --work (no timing)")
     args = ap.parse_args()
     work = Path(args.work)
     torch.manual_seed(0)
@@ -76,11 +77,13 @@ def main() -> None:
         for method in ("rtn", "awq"):
             out = work / f"{method}-g{g}"
             cfg = QuantConfig(method=method, group_size=g, num_samples=args.num_samples)
-            s = quantize(MODEL, out, cfg, force=True, progress=True)
-            print(s.format(), flush=True)
-            entry[f"quantize_{method}"] = {"seconds": round(s.seconds, 1), "peak_memory_mib": s.peak_memory_bytes >> 20,
-                                           "linear_ratio": round(s.linear_ratio, 4), "output_mib": s.output_bytes >> 20,
-                                           "calib_tokens": s.calib_tokens, "reason": s.group_size_reason}
+            if not (args.reuse and (out / "config.json").is_file()):
+                s = quantize(MODEL, out, cfg, force=True, progress=True)
+                print(s.format(), flush=True)
+                entry[f"quantize_{method}"] = {
+                    "seconds": round(s.seconds, 1), "peak_memory_mib": s.peak_memory_bytes >> 20,
+                    "linear_ratio": round(s.linear_ratio, 4), "output_mib": s.output_bytes >> 20,
+                    "calib_tokens": s.calib_tokens, "reason": s.group_size_reason}
             entry[f"P_{method}"] = _ppl(str(out), "auto", args.window, args.max_tokens)
         entry["P_awq_kv"] = _ppl(str(work / f"awq-g{g}"), "int8", args.window, args.max_tokens)
         pr, pa, pk = entry["P_rtn"]["ppl"], entry["P_awq"]["ppl"], entry["P_awq_kv"]["ppl"]
@@ -89,12 +92,14 @@ def main() -> None:
             "P_awq < P_rtn": pa < pr,
             "(P_awq-P0) <= 0.6 (P_rtn-P0)": (pa - p0) <= 0.6 * (pr - p0),
             "P_awq_kv <= 1.005 P_awq": pk <= 1.005 * pa,
-            "linear bytes <= 0.30 fp16": entry["quantize_awq"]["linear_ratio"] <= 0.30,
         }
+        if "quantize_awq" in entry:
+            entry["checks"]["linear bytes <= 0.30 fp16"] = entry["quantize_awq"]["linear_ratio"] <= 0.30
         if g == args.group_sizes[0]:
             entry["chat"] = _paris(str(work / f"awq-g{g}"))
             entry["checks"]["answers Paris"] = entry["chat"]["contains_paris"]
-            entry["checks"]["AWQ quantize <= 300 s"] = entry["quantize_awq"]["seconds"] <= 300
+            if "quantize_awq" in entry:
+                entry["checks"]["AWQ quantize <= 300 s"] = entry["quantize_awq"]["seconds"] <= 300
         res["group_sizes"][str(g)] = entry
         print(json.dumps({g: entry["checks"], "gap_closed": entry["gap_closed"]}), flush=True)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -25,8 +25,12 @@ __all__ = ["LLM", "SamplingParams", "pipeline", "quantize", "RequestOutput", "Co
 __version__ = "0.1.0"
 
 
-def quantize(src: str, out: str, config: object = None) -> object:
-    """Quantize ``src`` into an AWQ checkpoint at ``out``; see :func:`lightinfer.quant.api.quantize`."""
+def quantize(src: str, out: str, config: object = None, **kwargs: object) -> object:
+    """Quantize ``src`` into an AWQ checkpoint at ``out``.
+
+    See :func:`lightinfer.quant.api.quantize` (``config`` is a ``QuantConfig``; keyword options
+    ``force`` and ``progress``). Returns its ``QuantSummary``.
+    """
     from lightinfer.quant.api import quantize as _quantize
 
-    return _quantize(src, out, config)
+    return _quantize(src, out, config, **kwargs)
