@@ -26,9 +26,7 @@ import torch
 from lightinfer import LLM, SamplingParams
 from lightinfer.loader import _read_gguf, resolve_model_path
 
-WORDS = ("the of and to in is was for on that with as by at from his an were are which this be has or had "
-         "first one their its new after who they have her she two been other when there all during into "
-         "school time may years more most only over city some world would where later up such used many").split()
+WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "his", "an", "were", "are", "which", "this", "be", "has", "or", "had", "first", "one", "their", "its", "new", "after", "who", "they", "have", "her", "she", "two", "been", "other", "when", "there", "all", "during", "into", "school", "time", "may", "years", "more", "most", "only", "over", "city", "some", "world", "would", "where", "later", "up", "such", "used", "many"]
 
 
 def make_prompts(n: int, seed: int = 0) -> list[str]:
@@ -69,7 +67,7 @@ def main() -> None:
     print(f"lightinfer: {ours_tokens} tokens in {ours_s:.1f} s = {ours_tokens / ours_s:.1f} tok/s", flush=True)
 
     model = hf_model()
-    gen = dict(do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new, pad_token_id=tok.eos_token_id)
+    gen = {"do_sample": False, "max_new_tokens": n_new, "min_new_tokens": n_new, "pad_token_id": tok.eos_token_id}
     t = time.perf_counter()
     serial_tokens = 0
     with torch.no_grad():

@@ -21,7 +21,7 @@ from lightinfer.llm import LLM, pipeline
 from lightinfer.outputs import CompletionOutput, RequestOutput
 from lightinfer.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "pipeline", "quantize", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "pipeline", "quantize"]
 __version__ = "0.1.0"
 
 

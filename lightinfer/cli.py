@@ -28,12 +28,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig fields from the flags of :func:`add_engine_args`."""
-    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                gpu_memory_utilization=args.gpu_memory_utilization, max_vram=args.max_vram,
-                kv_cache_memory_bytes=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
-                enforce_eager=args.enforce_eager)
+    return {
+        "dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
+        "kv_cache_dtype": args.kv_cache_dtype, "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "gpu_memory_utilization": args.gpu_memory_utilization, "max_vram": args.max_vram,
+        "kv_cache_memory_bytes": args.kv_cache_memory, "enable_prefix_caching": not args.no_prefix_caching,
+        "enforce_eager": args.enforce_eager,
+    }
 
 
 def _generate(args: argparse.Namespace) -> int:

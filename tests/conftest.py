@@ -34,9 +34,9 @@ def write_tiny_checkpoint(
     """
     import transformers
 
-    base = dict(vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                rms_norm_eps=1e-6, tie_word_embeddings=False)
+    base = {"vocab_size": 272, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+                "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
     base.update(overrides)
     cfg_cls = {"LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig,
                "Qwen2ForCausalLM": transformers.Qwen2Config, "Qwen3ForCausalLM": transformers.Qwen3Config}[arch]
@@ -57,7 +57,7 @@ def write_tiny_checkpoint(
 
 def _save_tokenizer(path: Path, vocab_size: int) -> None:
     """A byte-level BPE tokenizer with ``vocab_size`` entries (trained on nothing: bytes only)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()

@@ -34,7 +34,7 @@ def chain_hash(prev: bytes, token_ids: list[int]) -> bytes:
 class Block:
     """One KV block: its id, ref count, and (once full and computed) hash and tokens."""
 
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "hash", "ref_count", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id

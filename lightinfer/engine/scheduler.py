@@ -152,9 +152,8 @@ class Scheduler:
         """After a token was appended: EOS, stop token, max_tokens, max_model_len. Finishes ``seq``."""
         p = seq.sampling_params
         token = seq.token_ids[-1]
-        if not p.ignore_eos and token in self.eos_token_ids and seq.num_output_tokens >= p.min_tokens:
-            self.finish(seq, "stop", token)
-        elif token in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
+        is_eos = token in self.eos_token_ids and not p.ignore_eos
+        if (is_eos or token in p.stop_token_ids) and seq.num_output_tokens >= p.min_tokens:
             self.finish(seq, "stop", token)
         elif seq.num_output_tokens >= p.max_tokens or (self.max_model_len and seq.num_tokens >= self.max_model_len):
             self.finish(seq, "length")

@@ -75,7 +75,7 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
-    def fork(self, index: int) -> "Sequence":
+    def fork(self, index: int) -> Sequence:
         """A sibling with the same tokens and progress (blocks are shared by the BlockManager)."""
         child = Sequence(self.request_id, self.token_ids, self.sampling_params, index)
         child.num_prompt_tokens = self.num_prompt_tokens

@@ -85,6 +85,10 @@ def run_serve(args: argparse.Namespace) -> int:
         if not ui_auth and not args.no_ui:
             logger.warning("binding %s without --ui-auth USER:PASS: the chat UI is open to anyone who can reach "
                            "this port", args.host)
+    missing = [m for m in (("fastapi", "uvicorn") + (() if args.no_ui else ("gradio",)))
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"serving needs {', '.join(missing)}: pip install 'lightinfer[ui]'")
     from lightinfer.config import EngineConfig
     from lightinfer.engine.async_engine import AsyncLLMEngine
     from lightinfer.engine.llm_engine import LLMEngine

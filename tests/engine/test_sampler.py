@@ -37,7 +37,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
 
 def test_filters() -> None:
     x = LOGITS[0]
-    kept = lambda p: set(torch.nonzero(torch.isfinite(filter_logits(x.clone(), p))).flatten().tolist())  # noqa: E731
+    kept = lambda p: set(torch.nonzero(torch.isfinite(filter_logits(x.clone(), p))).flatten().tolist())
     assert kept(SamplingParams(top_k=2)) == {0, 5}
     probs = torch.softmax(x, -1)
     assert kept(SamplingParams(top_p=float(probs[5]) - 1e-3)) == {5}
