@@ -50,8 +50,10 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--serial-subset", type=int, default=8, help="prompts timed one at a time through HF")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads (all runs)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "throughput_cpu.json"))
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
 
     prompts = make_prompts(args.num_prompts)
     llm = LLM("smollm2-135m-instruct", dtype="float32", max_model_len=1024)

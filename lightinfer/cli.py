@@ -1,5 +1,4 @@
-"""The ``lightinfer`` command: ``generate``, plus ``quantize``/``eval-ppl`` and ``serve``/``demo``
-registered by their own packages."""
+"""The lightinfer command: generate, quantize, eval-ppl, serve and demo."""
 
 from __future__ import annotations
 
@@ -41,6 +40,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def _generate(args: argparse.Namespace) -> int:
     from lightinfer.llm import LLM, apply_chat_template
 
+    if not args.prompt:
+        raise ValueError("the prompt is empty; give --prompt TEXT")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     llm = LLM(args.model, **engine_kwargs(args))

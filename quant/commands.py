@@ -28,6 +28,10 @@ def run_quantize(args: argparse.Namespace) -> int:
             w_bit=args.w_bit, group_size=args.group_size, method=args.method, calib=args.calib,
             num_samples=args.num_samples, seq_len=args.seq_len, device=args.device,
         )
+        if args.calib and args.method == "awq":
+            from lightinfer.quant.calib import read_text_file
+
+            read_text_file(args.calib)  # an unreadable or empty file fails now, not after the model loads
         summary = quantize(args.src, args.out, cfg, force=args.force, progress=not args.quiet)
     except KeyboardInterrupt:
         return 130  # AtomicOutputDir has removed the partial output and said so
@@ -47,6 +51,10 @@ def run_eval_ppl(args: argparse.Namespace) -> int:
             options["device"] = args.device
         if args.dtype:
             options["dtype"] = args.dtype
+        if args.text:
+            from lightinfer.quant.calib import read_text_file
+
+            read_text_file(args.text)  # fail before the model loads
         res = perplexity(args.model, text_path=args.text, kv_cache_dtype=args.kv_cache_dtype,
                          max_tokens=args.max_tokens, window=args.window, **options)
     except (ValueError, FileNotFoundError) as e:

@@ -85,6 +85,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if not ui_auth and not args.no_ui:
             logger.warning("binding %s without --ui-auth USER:PASS: the chat UI is open to anyone who can reach "
                            "this port", args.host)
+    check_port_free(args.host, args.port)
     missing = [m for m in (("fastapi", "uvicorn") + (() if args.no_ui else ("gradio",)))
                if importlib.util.find_spec(m) is None]
     if missing:
@@ -110,6 +111,26 @@ def run_serve(args: argparse.Namespace) -> int:
           "  Ctrl-C stops it.\n", flush=True)
     run_server(app, args.host, args.port, log_level=args.log_level)
     return 0
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail fast, before the model loads, when ``host:port`` cannot be bound.
+
+    Raises:
+        ValueError: a port outside 1..65535, or one already in use (the message says what to do).
+    """
+    import socket
+
+    if not (1 <= port <= 65535):
+        raise ValueError(f"--port {port} is not a TCP port; use 1..65535 (default 7860)")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); is another server running there? "
+                             f"Stop it or choose another port with --port") from e
 
 
 def ensure_embedded_model() -> None:
@@ -143,6 +164,7 @@ def ensure_quantized(requantize: bool = False) -> Path:
 
 def run_demo(args: argparse.Namespace) -> int:
     """``make demo``: embedded model -> AWQ (cached) -> serve with INT8 KV on 127.0.0.1:7860."""
+    check_port_free(args.host, args.port)  # before minutes of quantizing
     ensure_embedded_model()
     args.model = str(ensure_quantized(args.requantize))
     return run_serve(args)

@@ -252,6 +252,10 @@ def create_openai_app(engine: AsyncLLMEngine, served_model_name: str, api_key: s
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        if first.get("type") == "json_invalid" or not loc:  # the body itself, not one of its fields
+            detail = (first.get("ctx") or {}).get("error") or first.get("msg", "")
+            return _error_response(OpenAIError(400, f"the request body is not valid JSON ({detail}); send a JSON "
+                                                    "object with Content-Type: application/json"))
         msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: {e.get('msg')}"
                         for e in exc.errors()[:5])
         return _error_response(OpenAIError(400, msg or "invalid request", param=loc or None))

@@ -82,6 +82,7 @@ def test_400_malformed_body(fake_server: LiveServer) -> None:
         assert r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(f"{fake_server.url}/v1/completions", content=b"{not json", headers=h)
     assert r.status_code == 400
+    assert "not valid JSON" in r.json()["error"]["message"] and r.json()["error"]["param"] is None
 
 
 def test_413_body_too_large(fake_server: LiveServer) -> None:

@@ -1,0 +1,32 @@
+"""The lightinfer command: bad input exits 2 with one line, before any model loads."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from lightinfer.cli import main
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "/nonexistent", "--prompt", "hi"], "no such file or folder"),
+    (["generate", "smollm2-135m-instruct", "--prompt", ""], "the prompt is empty"),
+    (["serve", "smollm2-135m-instruct", "--port", "99999"], "is not a TCP port"),
+])
+def test_bad_input_is_one_line_and_fast(capsys, argv: list[str], message: str) -> None:
+    t = time.perf_counter()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert time.perf_counter() - t < 10  # refused before a model is loaded
+
+
+def test_busy_port_is_refused_before_loading(capsys) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve", "smollm2-135m-instruct", "--port", str(port)]) == 2
+    assert "choose another port with --port" in capsys.readouterr().err
