@@ -1,7 +1,9 @@
 """CPU throughput: lightinfer's continuous batching against transformers ``generate``.
 
-64 mixed-length prompts on SmolLM2-135M-Instruct (fp32), each generating the same number of new
-tokens (``ignore_eos`` / ``min_new_tokens``), measured in one run:
+64 mixed-length prompts on SmolLM2-135M-Instruct (fp32), measured in one run. ``--mode fixed``:
+random-word prompts that all generate exactly ``--max-tokens`` (``ignore_eos`` /
+``min_new_tokens``); ``--mode eos``: chat requests that stop at EOS, only the tokens up to each
+EOS counted (a static batch keeps computing until its longest member is done):
 
   * lightinfer: all prompts submitted at once to ``LLM.generate``;
   * transformers, one prompt at a time (on a subset: its rate does not depend on the count);
@@ -35,6 +37,21 @@ def make_prompts(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 256))) for _ in range(n)]
 
 
+TASKS = ("Write a haiku about {t}.", "List {n} facts about {t}.", "Explain {t} to a child in detail.",
+         "Say hello.", "Write a short story about {t}.", "What is {t}? Answer in one word.",
+         "Give {n} tips for learning about {t}.", "Write a long essay about {t}.")
+TOPICS = ("the sea", "volcanoes", "Paris", "bread", "the moon", "trains", "music", "cats", "rain", "chess")
+
+
+def make_chat_prompts(tokenizer: object, n: int, seed: int = 0) -> list[list[int]]:
+    """``n`` chat-templated requests whose answers end (EOS) at very different lengths."""
+    from lightinfer.llm import apply_chat_template
+
+    rng = random.Random(seed)
+    return [apply_chat_template(tokenizer, [{"role": "user", "content": rng.choice(TASKS).format(
+        t=rng.choice(TOPICS), n=rng.randint(2, 9))}]) for _ in range(n)]
+
+
 def hf_model() -> torch.nn.Module:
     from transformers import LlamaForCausalLM
 
@@ -50,16 +67,20 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--serial-subset", type=int, default=8, help="prompts timed one at a time through HF")
+    ap.add_argument("--mode", choices=("fixed", "eos"), default="fixed",
+                    help="fixed: random-word prompts, every output exactly --max-tokens long (ignore_eos); "
+                         "eos: chat requests that stop at EOS (at most --max-tokens), only real tokens counted")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads (all runs)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "throughput_cpu.json"))
+    ap.add_argument("--out", default=None, help="default: bench/results/throughput_cpu[_eos].json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    prompts = make_prompts(args.num_prompts)
     llm = LLM("smollm2-135m-instruct", dtype="float32", max_model_len=1024)
     tok = llm.tokenizer
+    eos_mode = args.mode == "eos"
+    prompts = make_chat_prompts(tok, args.num_prompts) if eos_mode else make_prompts(args.num_prompts)
     n_new = args.max_tokens
-    params = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=not eos_mode)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
 
     t = time.perf_counter()
@@ -69,29 +90,47 @@ def main() -> None:
     print(f"lightinfer: {ours_tokens} tokens in {ours_s:.1f} s = {ours_tokens / ours_s:.1f} tok/s", flush=True)
 
     model = hf_model()
-    gen = {"do_sample": False, "max_new_tokens": n_new, "min_new_tokens": n_new, "pad_token_id": tok.eos_token_id}
+    eos = tok.eos_token_id
+    gen = {"do_sample": False, "max_new_tokens": n_new, "pad_token_id": eos, "eos_token_id": eos}
+    if not eos_mode:
+        gen["min_new_tokens"] = n_new
+
+    def useful(new_ids: torch.Tensor) -> int:
+        """Generated tokens up to and including the first EOS (what a user receives)."""
+        ids = new_ids.tolist()
+        return ids.index(eos) + 1 if eos_mode and eos in ids else len(ids)
+
+    def encode(p: str | list[int]) -> dict:
+        if isinstance(p, str):
+            return tok(p, return_tensors="pt")
+        return {"input_ids": torch.tensor([p]), "attention_mask": torch.ones(1, len(p), dtype=torch.long)}
+
     t = time.perf_counter()
     serial_tokens = 0
     with torch.no_grad():
         for p in prompts[: args.serial_subset]:
-            ids = tok(p, return_tensors="pt")
-            serial_tokens += model.generate(**ids, **gen).shape[1] - ids["input_ids"].shape[1]
+            ids = encode(p)
+            serial_tokens += useful(model.generate(**ids, **gen)[0, ids["input_ids"].shape[1]:])
     serial_s = time.perf_counter() - t
     print(f"transformers one at a time: {serial_tokens / serial_s:.1f} tok/s ({args.serial_subset} prompts)", flush=True)
 
     tok.padding_side = "left"
     t = time.perf_counter()
     with torch.no_grad():
-        batch = tok(prompts, return_tensors="pt", padding=True)
+        if eos_mode:
+            batch = tok.pad({"input_ids": prompts}, return_tensors="pt", padding=True)
+        else:
+            batch = tok(prompts, return_tensors="pt", padding=True)
         out = model.generate(**batch, **gen)
     static_s = time.perf_counter() - t
-    static_tokens = (out.shape[1] - batch["input_ids"].shape[1]) * len(prompts)
+    static_tokens = sum(useful(row[batch["input_ids"].shape[1]:]) for row in out)
     print(f"transformers static batch: {static_tokens / static_s:.1f} tok/s", flush=True)
 
     result = {
         "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32)",
-        "num_prompts": len(prompts), "new_tokens_per_prompt": n_new,
+        "mode": args.mode, "num_prompts": len(prompts), "max_new_tokens_per_prompt": n_new,
+        "output_tokens": ours_tokens,
         "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
         "lightinfer_tok_s": ours_tokens / ours_s,
         "hf_serial_tok_s": serial_tokens / serial_s, "hf_serial_prompts_timed": args.serial_subset,
@@ -100,8 +139,10 @@ def main() -> None:
         "ratio_vs_serial": (ours_tokens / ours_s) / (serial_tokens / serial_s),
         "target_ratio_vs_static_batch": 2.0,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    out_path = Path(args.out or Path(__file__).parent / "results" /
+                    ("throughput_cpu_eos.json" if eos_mode else "throughput_cpu.json"))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
 
 
