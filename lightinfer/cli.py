@@ -69,14 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--seed", type=int, default=None)
     g.set_defaults(func=_generate)
-    for module in ("lightinfer.quant.commands", "lightinfer.entrypoints.commands", "lightinfer.bench_command"):
-        try:
-            mod = __import__(module, fromlist=["register"])
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            continue
-        mod.register(sub)  # each adds its own subcommands (they may use add_engine_args)
+    from lightinfer.entrypoints import commands as serve_commands
+    from lightinfer.quant import commands as quant_commands
+
+    quant_commands.register(sub)  # quantize, eval-ppl
+    serve_commands.register(sub)  # serve, demo
     return parser
 
 

@@ -117,11 +117,14 @@ class LLMEngine:
         self.tokenizer = self.checkpoint.load_tokenizer()
         self.eos_token_ids = self.checkpoint.eos_token_ids(self.tokenizer)
         model_max = int(getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
+        window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
+        if window:  # sliding-window attention is not implemented: stay inside the window, where it is exact
+            model_max = min(model_max, int(window))
         if config.max_model_len is None:
             config.max_model_len = min(model_max, DEFAULT_MAX_MODEL_LEN)
         elif config.max_model_len > model_max:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings "
-                             f"({model_max}); use at most {model_max}")
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds what this model supports ({model_max}: "
+                             f"max_position_embeddings, or the sliding window); use at most {model_max}")
         self.vocab_size = int(hf_config.vocab_size)
         self.model_runner = ModelRunner(config, self.checkpoint)
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,

@@ -144,3 +144,10 @@ def test_pipeline_api(tiny) -> None:
     assert len(rs) == 2 and all(x.generate_token_len == 3 for x in rs)
     pieces = list(pipe.stream_infer("hello", max_tokens=6, temperature=0, ignore_eos=True))
     assert "".join(pieces) == pipe("hello", max_tokens=6, temperature=0, ignore_eos=True).text
+
+
+def test_sliding_window_caps_the_context(tmp_path) -> None:
+    path = write_tiny_checkpoint(tmp_path / "mistral", "MistralForCausalLM", sliding_window=64)
+    assert LLM(str(path), num_kv_blocks=16).llm_engine.config.max_model_len == 64
+    with pytest.raises(ValueError, match="sliding window"):
+        LLM(str(path), max_model_len=128, num_kv_blocks=16)
