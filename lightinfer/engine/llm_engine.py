@@ -363,7 +363,6 @@ class LLMEngine:
             raise RuntimeError("prompt_logits() needs an idle engine; finish or abort the running requests first")
         if not (1 <= len(token_ids) <= int(self.config.max_model_len)):
             raise ValueError(f"takes 1..{self.config.max_model_len} tokens, got {len(token_ids)}")
-        self.encode_prompt(token_ids[:1])  # id range check
         bad = [t for t in token_ids if not (0 <= t < self.vocab_size)]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
