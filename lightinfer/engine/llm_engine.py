@@ -84,7 +84,9 @@ def check_quant_config(qc: dict | None, hf_config: object) -> None:
                 f"{', '.join(f'{k}={v!r}' for k, v in SUPPORTED_AWQ.items())} (AutoAWQ 'gemm' format)"
             )
     group = qc.get("group_size")
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    from lightinfer.models.llama import head_dim_of
+
+    head_dim = head_dim_of(hf_config)
     in_features = {"hidden_size": hf_config.hidden_size, "intermediate_size": hf_config.intermediate_size,
                    "num_attention_heads * head_dim": hf_config.num_attention_heads * head_dim}
     bad = {k: v for k, v in in_features.items() if not isinstance(group, int) or group <= 0 or v % group}
