@@ -12,7 +12,7 @@ from torch import nn
 from lightinfer.layers.activation import SiluAndMul
 from lightinfer.layers.attention import Attention
 from lightinfer.layers.embed_head import LMHead, VocabEmbedding
-from lightinfer.layers.linear import make_linear
+from lightinfer.layers.linear import Linear, W4A16Linear, fuse_linears, make_linear
 from lightinfer.layers.norm import RMSNorm
 from lightinfer.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -46,13 +46,25 @@ class LlamaAttention(nn.Module):
         theta, scaling = rope_parameters(c)
         self.rotary_emb = RotaryEmbedding(self.head_dim, c.max_position_embeddings, theta, scaling)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+        self.qkv_proj: nn.Module | None = None  # set by fuse_projections()
+
+    def fuse_projections(self) -> None:
+        """Replace q/k/v by one ``qkv_proj`` (after loading; the quantizer keeps them apart)."""
+        fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        if fused is not None:
+            self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = fused, None, None, None
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """positions ``[T]``, hidden ``[T, hidden]`` -> ``[T, hidden]``."""
         t = hidden_states.shape[0]
-        q = self.q_proj(hidden_states).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden_states).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden_states).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(hidden_states).split([q_out, kv_out, kv_out], dim=-1)
+        else:
+            q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
@@ -71,9 +83,20 @@ class LlamaMLP(nn.Module):
         self.up_proj = make_linear(h, i, bias, dtype, quant_config, f"{p}.up_proj")
         self.down_proj = make_linear(i, h, bias, dtype, quant_config, f"{p}.down_proj")
         self.act_fn = SiluAndMul()
+        self.gate_up_proj: nn.Module | None = None  # set by fuse_projections()
+
+    def fuse_projections(self) -> None:
+        """Replace gate/up by one ``gate_up_proj`` (after loading; the quantizer keeps them apart)."""
+        fused = fuse_linears([self.gate_proj, self.up_proj])
+        if fused is not None:
+            self.gate_up_proj, self.gate_proj, self.up_proj = fused, None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)))
+        if self.gate_up_proj is not None:
+            gate_up = self.gate_up_proj(x)
+        else:
+            gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+        return self.down_proj(self.act_fn(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -138,6 +161,21 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up into single GEMMs in every layer, in place (inference only:
+        call it after the weights are loaded; HF parameter names no longer apply afterwards)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
+
+    def pack_for_cpu(self) -> None:
+        """Prepack every fp32 CPU weight for the oneDNN GEMM (``layers/cpu_gemm.py``), in place;
+        inference only, after loading (and after :meth:`fuse_projections`)."""
+        for module in self.modules():
+            if isinstance(module, (Linear, W4A16Linear)):
+                module.pack_for_cpu()
+        self.lm_head.pack_for_cpu(keep_weight=self.tie_word_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

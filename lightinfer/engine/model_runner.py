@@ -7,6 +7,7 @@ import logging
 import torch
 
 from lightinfer.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
+from lightinfer.engine.cpu_malloc import tune_malloc_for_cpu_inference
 from lightinfer.engine.kv_cache import KVCacheSpec
 from lightinfer.engine.scheduler import SchedulerOutput
 from lightinfer.layers.attention import Attention, AttentionMetadata, set_context
@@ -32,11 +33,14 @@ class ModelRunner:
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
+        if self.device.type == "cpu":
+            tune_malloc_for_cpu_inference()  # before the large allocations; see cpu_malloc.py
         hf_config = checkpoint.hf_config
         model_cls = get_model_class(hf_config)
         with torch.device(self.device):
             self.model = model_cls(hf_config, checkpoint.quant_config, self.dtype)
         load_weights(self.model, checkpoint)
+        self.model.fuse_projections()  # q/k/v and gate/up as single GEMMs
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         first = self.attention_layers[0]
@@ -46,6 +50,8 @@ class ModelRunner:
             block_size=config.block_size, dtype=kv_dtype,
         )
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        if self.device.type == "cpu":
+            self.model.pack_for_cpu()  # after weight_bytes: packed tensors are opaque, same size
         self.num_blocks = self._num_blocks()
         self._allocate_kv_cache()
 
@@ -138,12 +144,17 @@ class ModelRunner:
         slots: list[int] = []
         context_lens: list[int] = []
         cu_seqlens = [0]
-        logits_idx: list[int] = []
         max_blocks = max(len(s.seq.block_table) for s in out.scheduled)
         tables = torch.full((len(out.scheduled), max_blocks), -1, dtype=torch.int32)
         num_decodes = out.num_decodes
-        for i, s in enumerate(out.scheduled):
+        # Decodes are laid out by context length: the CPU decode attention groups neighbours
+        # (contiguous slices, little padding). Logits rows stay in ``out.scheduled`` order.
+        decode_order = sorted(range(num_decodes), key=lambda i: out.scheduled[i].start)
+        token_range: dict[int, tuple[int, int]] = {}
+        for row, i in enumerate(decode_order + list(range(num_decodes, len(out.scheduled)))):
+            s = out.scheduled[i]
             seq, a, b = s.seq, s.start, s.start + s.num_new_tokens
+            token_range[i] = (len(input_ids), len(input_ids) + s.num_new_tokens)
             input_ids += seq.token_ids[a:b]
             positions += range(a, b)
             table = seq.block_table
@@ -151,11 +162,14 @@ class ModelRunner:
             context_lens.append(b)
             if i >= num_decodes:
                 cu_seqlens.append(cu_seqlens[-1] + s.num_new_tokens)
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        logits_idx: list[int] = []
+        for i, s in enumerate(out.scheduled):
+            first, end = token_range[i]
             if all_logits:
-                logits_idx += range(len(input_ids) - s.num_new_tokens, len(input_ids))
+                logits_idx += range(first, end)
             elif s.completes_prompt:
-                logits_idx.append(len(input_ids) - 1)
+                logits_idx.append(end - 1)
         dev = self.device
         set_context(AttentionMetadata(
             num_decodes=num_decodes,

@@ -12,6 +12,7 @@ kernel, which attends to cached prefix blocks plus the new tokens.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -42,6 +43,17 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None
     cu_seqlens_q: torch.Tensor | None = None
     no_cache: bool = False
+
+    @functools.cached_property
+    def decode_block_tables(self) -> torch.Tensor:
+        """``block_tables[:num_decodes]``, one object for every layer of the step (the CPU decode
+        caches its per-step plan on it)."""
+        return self.block_tables[: self.num_decodes]
+
+    @functools.cached_property
+    def decode_context_lens(self) -> torch.Tensor:
+        """``context_lens[:num_decodes]``, one object per step (see ``decode_block_tables``)."""
+        return self.context_lens[: self.num_decodes]
 
 
 _CONTEXT: AttentionMetadata | None = None
@@ -100,7 +112,7 @@ class Attention(nn.Module):
         nd = ctx.num_decodes
         if nd:
             out[:nd] = ops.paged_attention_decode(
-                q[:nd], self.k_cache, self.v_cache, ctx.block_tables[:nd], ctx.context_lens[:nd], self.scale, *scales
+                q[:nd], self.k_cache, self.v_cache, ctx.decode_block_tables, ctx.decode_context_lens, self.scale, *scales
             )
         if nd < q.shape[0]:
             out[nd:] = ops.paged_attention_prefill(

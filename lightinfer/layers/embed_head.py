@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightinfer.layers.cpu_gemm import PackedWeight, can_pack
+
 
 class VocabEmbedding(nn.Module):
     """``input_ids [T] int64`` -> ``[T, hidden]``.
@@ -30,6 +32,18 @@ class LMHead(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+        self._packed: PackedWeight | None = None
+
+    def pack_for_cpu(self, keep_weight: bool) -> None:
+        """Prepack an fp32 CPU weight for the GEMM (``cpu_gemm``). ``keep_weight``: the weight
+        is tied to the embedding, which still needs it (the packed copy then costs its size
+        again); otherwise it is released."""
+        if self.weight is not None and can_pack(self.weight):
+            self._packed = PackedWeight(self.weight)
+            if not keep_weight:
+                self.weight = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._packed is not None:
+            return self._packed(hidden).float()
         return F.linear(hidden, self.weight).float()

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightinfer.kernels.reference import dequantize_w4, repack_awq_to_runtime
+from lightinfer.layers.cpu_gemm import PackedWeight, can_pack
 from lightinfer.layers.ops import ops_for
 
 
@@ -22,9 +23,19 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self._packed: PackedWeight | None = None
+
+    def pack_for_cpu(self) -> None:
+        """Reorder an fp32 CPU weight once for the prepacked GEMM (``cpu_gemm``); the plain
+        ``weight`` is released (``None``) so memory does not double. No-op elsewhere."""
+        if self.weight is not None and can_pack(self.weight):
+            self._packed = PackedWeight(self.weight)
+            self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in]`` -> ``[..., out]``."""
+        if self._packed is not None:
+            return self._packed(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -55,6 +66,7 @@ class W4A16Linear(nn.Module):
         self.register_buffer("zeros", torch.zeros(num_groups, out_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self._dense: torch.Tensor | None = None  # CPU only: the weight dequantized once, [out, in]
+        self._packed: PackedWeight | None = None  # CPU only: that weight prepacked (cpu_gemm)
 
     @torch.no_grad()
     def load_awq(self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> None:
@@ -75,7 +87,16 @@ class W4A16Linear(nn.Module):
         self.qweight.copy_(qw)
         self.scales.copy_(s)
         self.zeros.copy_(z)
-        self._dense = None
+        self._dense = self._packed = None
+
+    def pack_for_cpu(self) -> None:
+        """On CPU, dequantize the weight once and prepack it for the fp32 GEMM (``cpu_gemm``);
+        the 4-bit tensors stay (they are what a GPU or an export reads). No-op on CUDA."""
+        if self.qweight.is_cuda:
+            return
+        dense = dequantize_w4(self.qweight, self.scales, self.zeros)
+        if can_pack(dense):
+            self._packed, self._dense = PackedWeight(dense), None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in]`` -> ``[..., out]`` (fp32 accumulation).
@@ -85,12 +106,51 @@ class W4A16Linear(nn.Module):
         dequantizing per step would cost more than the matmul itself.
         """
         shape = x.shape
+        if self._packed is not None and not x.is_cuda:
+            return self._packed(x, self.bias)
         if not x.is_cuda:
             if self._dense is None:
                 self._dense = dequantize_w4(self.qweight, self.scales, self.zeros)
             return F.linear(x, self._dense.to(x.dtype), self.bias)
         y = ops_for(x).w4a16_gemm(x.reshape(-1, shape[-1]), self.qweight, self.scales, self.zeros, self.bias)
         return y.reshape(*shape[:-1], self.out_features)
+
+
+def fuse_linears(layers: list[Linear | W4A16Linear]) -> Linear | W4A16Linear | None:
+    """One layer computing ``cat([l(x) for l in layers], -1)`` with a single GEMM (q/k/v, gate/up).
+
+    Dense weights ``[out_i, in]`` and AWQ run-time tensors (``qweight [out_i, in // 8]``,
+    ``scales``/``zeros`` ``[in // G, out_i]``) concatenate along the output dimension, so the
+    fused layer's output is exactly the concatenation of the parts' outputs. One launch instead
+    of two or three, and no ``torch.cat`` of the activations afterwards.
+
+    Returns:
+        The fused layer, or None when the parts cannot share one GEMM (a mix of dense and 4-bit
+        layers, e.g. a ``modules_to_not_convert`` entry, different group sizes or inputs).
+    """
+    first = layers[0]
+    kinds = {(type(m), m.in_features, getattr(m, "group_size", None), m.bias is not None,
+              m.scales.dtype if isinstance(m, W4A16Linear) else m.weight.dtype) for m in layers}
+    if len(kinds) != 1:
+        return None
+    out_features = sum(m.out_features for m in layers)
+    has_bias = first.bias is not None
+    with torch.device("meta"):  # the constructor's placeholders allocate nothing; real tensors follow
+        if isinstance(first, W4A16Linear):
+            fused: Linear | W4A16Linear = W4A16Linear(first.in_features, out_features, has_bias, first.group_size,
+                                                      first.scales.dtype)
+        else:
+            fused = Linear(first.in_features, out_features, has_bias, first.weight.dtype)
+    with torch.no_grad():
+        if isinstance(fused, W4A16Linear):
+            fused.qweight = torch.cat([m.qweight for m in layers])
+            fused.scales = torch.cat([m.scales for m in layers], dim=1)
+            fused.zeros = torch.cat([m.zeros for m in layers], dim=1)
+        else:
+            fused.weight = nn.Parameter(torch.cat([m.weight for m in layers]), requires_grad=False)
+        if has_bias:
+            fused.bias = nn.Parameter(torch.cat([m.bias for m in layers]), requires_grad=False)
+    return fused
 
 
 def make_linear(

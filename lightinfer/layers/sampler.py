@@ -28,6 +28,11 @@ class SamplingRow:
     suppress_token_ids: tuple[int, ...] = ()
 
 
+def has_penalties(params: SamplingParams) -> bool:
+    """Whether any repetition / presence / frequency penalty is active."""
+    return params.repetition_penalty != 1.0 or bool(params.presence_penalty) or bool(params.frequency_penalty)
+
+
 def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     """Repetition (CTRL, Keskar et al. 2019; over prompt and output), presence and frequency
     (OpenAI; over the output) penalties on one row ``[vocab]`` (fp32), in place."""
@@ -88,19 +93,25 @@ class Sampler:
             (log-probabilities of the model's raw distribution, before penalties and filters).
         """
         logits = logits.to(torch.float32).cpu()  # tiny next to the forward; keeps generators on CPU
+        # Plain greedy rows (no penalties, nothing suppressed) share one batched argmax.
+        plain = [row.params.greedy and not row.suppress_token_ids and not has_penalties(row.params) for row in rows]
+        argmax = logits.argmax(dim=-1).tolist() if any(plain) else []
         tokens: list[int] = []
         logprobs: list[dict[int, float] | None] = []
         for i, row in enumerate(rows):
             raw = logits[i]
-            x = apply_penalties(raw.clone(), row)
-            if row.suppress_token_ids:
-                x[list(row.suppress_token_ids)] = float("-inf")
-            if row.params.greedy:
-                token = int(torch.argmax(x))
+            if plain[i]:
+                token = argmax[i]
             else:
-                probs = torch.softmax(filter_logits(x, row.params), dim=-1)
-                gen = row.generator if row.generator is not None else self.generator
-                token = int(torch.multinomial(probs, 1, generator=gen))
+                x = apply_penalties(raw.clone(), row)
+                if row.suppress_token_ids:
+                    x[list(row.suppress_token_ids)] = float("-inf")
+                if row.params.greedy:
+                    token = int(torch.argmax(x))
+                else:
+                    probs = torch.softmax(filter_logits(x, row.params), dim=-1)
+                    gen = row.generator if row.generator is not None else self.generator
+                    token = int(torch.multinomial(probs, 1, generator=gen))
             tokens.append(token)
             if row.params.logprobs is None:
                 logprobs.append(None)
