@@ -14,7 +14,7 @@ from lightinfer.outputs import RequestOutput
 from lightinfer.sampling_params import SamplingParams
 
 Message = dict[str, object]
-PromptType = str | list[int]
+PromptType = str | list[int] | dict  # dict: vLLM style {"prompt": ...} or {"prompt_token_ids": ...}
 
 
 def message_text(content: object) -> str:
@@ -94,7 +94,7 @@ class LLM:
         Raises:
             ValueError: a bad prompt or setting (checked for every prompt before any work starts).
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:

@@ -139,13 +139,23 @@ class LLMEngine:
                     config.torch_device, str(config.torch_dtype).replace("torch.", ""))
 
     # ------------------------------------------------------------------ requests
-    def encode_prompt(self, prompt: str | list[int]) -> tuple[str, list[int]]:
+    def encode_prompt(self, prompt: str | list[int] | dict) -> tuple[str, list[int]]:
         """``(prompt text, token ids)`` from text or ids.
 
+        Also takes vLLM's prompt dicts: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``.
+
         Raises:
-            ValueError: empty prompt, ids outside the vocabulary, or a prompt that leaves no room
-                for one new token within ``max_model_len``.
+            ValueError: empty prompt, ids outside the vocabulary, a dict without either key, or a
+                prompt that leaves no room for one new token within ``max_model_len``.
         """
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"a dict prompt needs 'prompt' (text) or 'prompt_token_ids' (a list of ids), "
+                                 f"got keys {sorted(prompt)}")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty; give at least one character or token id")

@@ -88,6 +88,12 @@ def test_generate_accepts_strings_ids_and_keeps_order(tiny) -> None:
         assert o.finished and o.metrics.first_token_time is not None
     single = llm.generate("hello", params, use_tqdm=False)
     assert single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    # vLLM-style prompt dicts, alone or in a list
+    as_dicts = llm.generate([{"prompt": "hello"}, {"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in as_dicts] == [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids]
+    assert llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0].prompt_token_ids == [5, 6, 7]
+    with pytest.raises(ValueError, match=r"'prompt' \(text\) or 'prompt_token_ids'.*\['text'\]"):
+        llm.generate([{"text": "hello"}], params, use_tqdm=False)
 
 
 def test_engine_survives_a_bad_request_among_good_ones(tiny) -> None:
