@@ -36,6 +36,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim_of(c)
         p = f"model.layers.{layer_idx}.self_attn"
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_sizes = [q_out, kv_out, kv_out]  # how a fused qkv_proj output splits
         self.q_proj = make_linear(c.hidden_size, q_out, qkv_bias, dtype, quant_config, f"{p}.q_proj")
         self.k_proj = make_linear(c.hidden_size, kv_out, qkv_bias, dtype, quant_config, f"{p}.k_proj")
         self.v_proj = make_linear(c.hidden_size, kv_out, qkv_bias, dtype, quant_config, f"{p}.v_proj")
@@ -58,8 +59,7 @@ class LlamaAttention(nn.Module):
         """positions ``[T]``, hidden ``[T, hidden]`` -> ``[T, hidden]``."""
         t = hidden_states.shape[0]
         if self.qkv_proj is not None:
-            q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = self.qkv_proj(hidden_states).split([q_out, kv_out, kv_out], dim=-1)
+            q, k, v = self.qkv_proj(hidden_states).split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
         q = q.reshape(t, self.num_heads, self.head_dim)

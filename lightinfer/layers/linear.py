@@ -97,6 +97,8 @@ class W4A16Linear(nn.Module):
         dense = dequantize_w4(self.qweight, self.scales, self.zeros)
         if can_pack(dense):
             self._packed, self._dense = PackedWeight(dense), None
+        else:  # keep it for the F.linear path rather than dequantizing again at the first forward
+            self._dense = dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in]`` -> ``[..., out]`` (fp32 accumulation).
