@@ -23,6 +23,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 512MiB")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--dummy-weights", action="store_true",
+                   help="random weights of the model's config.json, built on the device (benchmarks; no weight files)")
+    p.add_argument("--quantization", default=None, choices=["awq"],
+                   help="with --dummy-weights: build 4-bit AWQ layers; otherwise: require an AWQ checkpoint")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -33,7 +37,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "gpu_memory_utilization": args.gpu_memory_utilization, "max_vram": args.max_vram,
         "kv_cache_memory_bytes": args.kv_cache_memory, "enable_prefix_caching": not args.no_prefix_caching,
-        "enforce_eager": args.enforce_eager,
+        "enforce_eager": args.enforce_eager, "load_format": "dummy" if args.dummy_weights else "auto",
+        "quantization": args.quantization,
     }
 
 

@@ -13,6 +13,8 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
 KV_CACHE_DTYPES = ("auto", "int8")
+LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("awq",)
 CPU_DEFAULT_KV_CACHE_BYTES = 512 * 2**20  # a CPU has no memory profiler of ours: a fixed default
 
 
@@ -70,8 +72,17 @@ class EngineConfig:
         max_vram: absolute cap on the engine's GPU memory, e.g. "8GiB".
         enable_prefix_caching: reuse full KV blocks of identical prefixes.
         enforce_eager: no CUDA graphs.
-        seed: seed of the shared generator for unseeded requests.
+        seed: seed of the shared generator for unseeded requests (and of dummy weights).
         max_waiting: most queued requests before new ones are refused (serving).
+        load_format: "auto" (read the weights) or "dummy" (random weights of the config, built
+            on the device in the run-time layout; benchmarks of real shapes without a file).
+        quantization: "awq" or None (the checkpoint's own). With ``load_format="dummy"``,
+            "awq" builds 4-bit layers; with real weights it only asserts the checkpoint is AWQ.
+        skip_tokenizer_init: no tokenizer: prompts must be token ids, outputs carry ids and
+            empty text (implied for a dummy model whose folder has no tokenizer files).
+        embedding_on_host: on CUDA, keep the input embedding table in host memory (only rows
+            are gathered, 8 KiB per token over PCIe) to give its GPU memory to the KV cache.
+            None = yes unless it is tied to the LM head (which needs it on the GPU).
     """
 
     model: str
@@ -90,10 +101,18 @@ class EngineConfig:
     enforce_eager: bool = False
     seed: int = 0
     max_waiting: int = 256
+    load_format: str = "auto"
+    quantization: str | None = None
+    skip_tokenizer_init: bool = False
+    embedding_on_host: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be 8, 16 or 32 tokens, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -48,6 +48,8 @@ def apply_chat_template(tokenizer: object, messages: list[Message]) -> list[int]
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
         clean.append({"role": str(m["role"]), "content": message_text(m["content"])})
+    if tokenizer is None:
+        raise ValueError("this engine has no tokenizer (skip_tokenizer_init or a dummy model): chat needs one")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
     ids = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True)

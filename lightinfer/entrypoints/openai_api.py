@@ -72,6 +72,9 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_name: str) -> None:
         self.engine = engine
         self.model_name = served_model_name
+        if engine.tokenizer is None:  # text in, text out: a tokenizer-less (dummy) engine cannot serve
+            raise ValueError("serving needs a tokenizer; this model has none (dummy weights from a bare config "
+                             "folder, or skip_tokenizer_init): add the tokenizer files to the folder")
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.max_model_len = int(engine.model_info()["max_model_len"])
 

@@ -22,7 +22,31 @@ class VocabEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
 
+    def offload_to_host(self) -> None:
+        """Move the table to host memory (in place).
+
+        Only rows are gathered from it, one per token, so it need not take GPU memory: 1 GiB
+        for Llama-3-8B's 128k x 4096 fp16 table, an eighth of an 8 GiB card (llama.cpp keeps
+        its token embeddings on the host too). Gathered rows cross PCIe: 8 KiB per token.
+        """
+        self.weight = nn.Parameter(self.weight.detach().to("cpu"), requires_grad=False)
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the table lives in host memory."""
+        return self.weight.device.type == "cpu"
+
+    def lookup(self, input_ids: list[int], device: torch.device) -> torch.Tensor:
+        """Rows of ``input_ids`` (host ints) -> ``[T, hidden]`` on ``device``: the gather runs
+        where the table is, then only the rows move."""
+        rows = F.embedding(torch.tensor(input_ids, dtype=torch.long, device=self.weight.device), self.weight)
+        return rows.to(device)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids [T] int64`` -> ``[T, hidden]`` on ``input_ids``' device (a table on the
+        host gathers there: the ids take a round trip, :meth:`lookup` avoids it)."""
+        if input_ids.device != self.weight.device:
+            return F.embedding(input_ids.to(self.weight.device), self.weight).to(input_ids.device)
         return F.embedding(input_ids, self.weight)
 
 

@@ -73,3 +73,60 @@ def test_preemption_on_gpu_loses_nothing(tiny) -> None:
 def test_budget_too_small_is_a_clear_error(tiny) -> None:
     with pytest.raises(ValueError, match="lower max_model_len|cannot fit|KV cache"):
         LLM(str(tiny), device="cuda", dtype="float16", max_vram="1MiB")
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+@pytest.mark.parametrize("weights", ["fp16", "awq"])
+def test_cuda_graph_decode_matches_eager(tiny, tiny_awq, kv: str, weights: str) -> None:
+    from tests.engine.decode_recorder import EagerVsGraph
+
+    model = str(tiny if weights == "fp16" else tiny_awq)
+    opts = {"device": "cuda", "dtype": "float16", "kv_cache_dtype": kv, "num_kv_blocks": 128, "max_num_seqs": 12}
+    eager = LLM(model, enforce_eager=True, **opts)
+    assert eager.llm_engine.model_runner.graph_runner is None
+    graphed = LLM(model, **opts)
+    runner = graphed.llm_engine.model_runner
+    assert runner.graph_runner is not None and sorted(runner.graph_runner.graphs) == [1, 2, 4, 8, 16]
+    recorder = EagerVsGraph(runner)  # every step: eager, then graph, on the same cache state
+    # 8 prompts with different lengths to stop: decode batches of 8 down to 1 (padded 8, 4, 2, 1)
+    params = [SamplingParams(temperature=0, max_tokens=16 + 6 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    a = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in graphed.generate(PROMPTS, params, use_tqdm=False)]
+    assert runner.graph_runner.num_runs >= 40
+    # The graph's decode kernel is sized for max_model_len (split into more partitions) where the
+    # eager one is sized for the batch's longest table: the same math, other fp16 sums. So logits
+    # agree closely rather than bit for bit, and greedy tokens can part after a near tie.
+    assert recorder.max_diff <= 2e-2 * max(1.0, recorder.max_logit), (recorder.max_diff, recorder.max_logit)
+    assert recorder.argmax_agree >= 0.99 * recorder.rows
+    assert _agreement(a, b) >= 0.95
+
+
+def test_max_vram_plans_a_smaller_card(tiny, caplog) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="lightinfer"):
+        llm = LLM(str(tiny), device="cuda", dtype="float16", max_vram="3GiB")
+    runner = llm.llm_engine.model_runner
+    kv_bytes = runner.num_blocks * runner.kv_spec.bytes_per_block
+    assert 0 < kv_bytes < 3 * 2**30 - runner.weight_bytes
+    assert "GPU memory plan: budget 3.00 GiB (max_vram 3.00 GiB)" in caplog.text
+    for line in ("weights", "activation peak", "CUDA graphs", "non-torch", "KV pool", "CUDA graphs: captured"):
+        assert line in caplog.text, line
+    out = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in out)
+
+
+def test_embedding_on_host_same_tokens_less_vram(tiny) -> None:
+    """The untied input embedding lives in host memory by default on CUDA: same tokens as on
+    the GPU, through eager prefills and graph decodes, and its bytes leave the GPU."""
+    on = LLM(str(tiny), device="cuda", dtype="float16", num_kv_blocks=64)
+    off = LLM(str(tiny), device="cuda", dtype="float16", num_kv_blocks=64, embedding_on_host=False)
+    r_on, r_off = on.llm_engine.model_runner, off.llm_engine.model_runner
+    assert r_on.model.embed_tokens.on_host and not r_off.model.embed_tokens.on_host
+    table = r_off.model.embed_tokens.weight
+    assert r_on.host_weight_bytes == table.numel() * table.element_size()
+    assert r_on.weight_bytes == r_off.weight_bytes - r_on.host_weight_bytes
+    a = [o.outputs[0].token_ids for o in on.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in off.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert a == b
+    assert r_on.graph_runner is not None and r_on.graph_runner.num_runs > 0

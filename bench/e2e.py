@@ -1,0 +1,284 @@
+"""End-to-end benchmark: lightinfer against transformers ``generate`` on the same workload, one run.
+
+Offline throughput in the manner of vLLM's ``benchmark_throughput`` (random dataset): N requests,
+prompt and output lengths drawn uniformly from ranges with a fixed seed, random token ids,
+``ignore_eos``, temperature 1, all submitted at once. Then batch-1 decode (a 128-token prompt,
+256 new tokens, greedy): decode tokens/s, time to first token. Peak memory. The same
+throughput workload (or its first ``--hf-num-prompts`` requests: a rate does not depend on the
+count) runs through transformers fp16 ``generate`` in static batches of ``--hf-batch-size``,
+and batch-1 through ``generate`` too, all in the same process.
+
+A model is a Hugging Face folder or a config folder from ``bench/configs/`` with
+``--dummy-weights`` (random weights built on the GPU; transformers gets random weights of the
+same config, so both run the same shapes). Writes ``bench/results/e2e_<name>.json`` and a PNG.
+
+    python bench/e2e.py bench/configs/llama-2-7b --dummy-weights --quantization awq \\
+        --kv-cache-dtype int8 [--max-vram 12GiB] [--hf-num-prompts 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import random
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class Request:
+    """One benchmark request: random prompt ids and the exact number of tokens to generate."""
+
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def make_requests(num: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int,
+                  seed: int = 0) -> list[Request]:
+    """``num`` requests, lengths uniform in the inclusive ranges, ids uniform in ``[0, vocab_size)``."""
+    rng = random.Random(seed)
+    return [Request([rng.randrange(vocab_size) for _ in range(rng.randint(*input_len))], rng.randint(*output_len))
+            for _ in range(num)]
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def run_lightinfer(args: argparse.Namespace, requests: list[Request], b1_prompt: list[int]) -> dict:
+    """Throughput over ``requests`` and batch-1 decode through ``LLM.generate``."""
+    from lightinfer import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
+              load_format="dummy" if args.dummy_weights else "auto", quantization=args.quantization,
+              max_num_seqs=args.max_num_seqs, max_vram=args.max_vram, enforce_eager=args.enforce_eager,
+              gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=args.kv_cache_memory)
+    startup_s = time.perf_counter() - t0
+    engine = llm.llm_engine
+    runner = engine.model_runner
+    device = runner.device
+    # Warm-up: Triton compiles each kernel variant at first use (prefill of every GEMM path, decodes).
+    warm = [Request(r.prompt_token_ids, 4) for r in requests[:4]] + [Request(b1_prompt, 8)]
+    llm.generate([r.prompt_token_ids for r in warm], [SamplingParams(max_tokens=r.output_len, ignore_eos=True)
+                                                      for r in warm], use_tqdm=False)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=True, seed=i)
+              for i, r in enumerate(requests)]
+    preempt0 = engine.scheduler.num_preemptions
+    _sync()
+    t = time.perf_counter()
+    outs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
+    _sync()
+    elapsed = time.perf_counter() - t
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert out_tokens == sum(r.output_len for r in requests), "ignore_eos requests must deliver every token"
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+
+    one = llm.generate([b1_prompt], SamplingParams(temperature=0, max_tokens=args.batch1_output_len,
+                                                    ignore_eos=True), use_tqdm=False)[0]
+    m = one.metrics
+    n = len(one.outputs[0].token_ids)
+    result = {
+        "startup_s": startup_s,
+        "weight_bytes": runner.weight_bytes,
+        "kv_cache_tokens": runner.num_blocks * runner.kv_spec.block_size,
+        "kv_cache_bytes": runner.num_blocks * runner.kv_spec.bytes_per_block,
+        "throughput": {"elapsed_s": elapsed, "requests_per_s": len(requests) / elapsed,
+                       "output_tokens_per_s": out_tokens / elapsed,
+                       "total_tokens_per_s": (out_tokens + prompt_tokens) / elapsed,
+                       "preemptions": engine.scheduler.num_preemptions - preempt0},
+        "batch1": {"prompt_tokens": len(b1_prompt), "output_tokens": n,
+                   "decode_tokens_per_s": (n - 1) / (m.finished_time - m.first_token_time),
+                   "end_to_end_tokens_per_s": n / (m.finished_time - m.arrival_time),
+                   "time_to_first_token_s": m.time_to_first_token},
+        "peak_memory_bytes": _peak_memory_bytes(device),
+    }
+    del llm, engine, runner, outs
+    _free_memory()
+    return result
+
+
+def hf_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """transformers' model of the same config: the checkpoint's weights, or random ones (dummy)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not args.dummy_weights:  # an AWQ folder needs its fp16 source here: --hf-model
+        return AutoModelForCausalLM.from_pretrained(args.hf_model or args.model, dtype=dtype).to(device).eval()
+    config = AutoConfig.from_pretrained(args.hf_model or args.model)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the baseline is the fp16 model
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+@torch.no_grad()
+def run_hf(args: argparse.Namespace, requests: list[Request], b1_prompt: list[int], device: torch.device) -> dict:
+    """The same workload through ``generate``: left-padded static batches, every request's batch
+    generating its longest output (``min_new_tokens`` = ``max_new_tokens``, as ``ignore_eos``)."""
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    model = hf_model(args, device, dtype)
+    reqs = requests[: args.hf_num_prompts or len(requests)]
+    common = {"pad_token_id": 0, "eos_token_id": None}
+    model.generate(torch.tensor([b1_prompt[:16]], device=device), max_new_tokens=2, **common)  # warm-up
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    _sync()
+    t = time.perf_counter()
+    for i in range(0, len(reqs), args.hf_batch_size):
+        batch = reqs[i: i + args.hf_batch_size]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, r in enumerate(batch):
+            ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+            mask[row, width - len(r.prompt_token_ids):] = 1
+        new = max(r.output_len for r in batch)
+        model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=1.0, top_p=1.0,
+                       top_k=0, max_new_tokens=new, min_new_tokens=new, **common)
+    _sync()
+    elapsed = time.perf_counter() - t
+    # Delivered tokens: what each request asked for (a static batch computes more and throws it away).
+    out_tokens = sum(r.output_len for r in reqs)
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
+    t = time.perf_counter()
+    model.generate(torch.tensor([b1_prompt], device=device), do_sample=False, max_new_tokens=args.batch1_output_len,
+                   min_new_tokens=args.batch1_output_len, **common)
+    _sync()
+    b1_s = time.perf_counter() - t
+    result = {
+        "dtype": str(dtype).replace("torch.", ""), "num_prompts": len(reqs), "batch_size": args.hf_batch_size,
+        "throughput": {"elapsed_s": elapsed, "requests_per_s": len(reqs) / elapsed,
+                       "output_tokens_per_s": out_tokens / elapsed,
+                       "total_tokens_per_s": (out_tokens + prompt_tokens) / elapsed},
+        "batch1": {"end_to_end_tokens_per_s": args.batch1_output_len / b1_s},
+        "peak_memory_bytes": _peak_memory_bytes(device),
+    }
+    del model
+    _free_memory()
+    return result
+
+
+def plot(result: dict, path: Path) -> None:
+    """Bars: output tokens/s (throughput) and batch-1 tokens/s, lightinfer against transformers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ours, hf = result["lightinfer"], result.get("transformers")
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    panels = [("throughput, output tok/s", ours["throughput"]["output_tokens_per_s"],
+               hf and hf["throughput"]["output_tokens_per_s"]),
+              ("batch 1, tok/s (end to end)", ours["batch1"]["end_to_end_tokens_per_s"],
+               hf and hf["batch1"]["end_to_end_tokens_per_s"])]
+    for ax, (title, a, b) in zip(axes, panels):
+        names, values = ["lightinfer"], [a]
+        if b:
+            names.append(f"transformers {hf['dtype']}")
+            values.append(b)
+        bars = ax.bar(names, values, color=["tab:blue", "tab:gray"][: len(values)])
+        ax.bar_label(bars, fmt="%.0f")
+        ax.set_title(title)
+    fig.suptitle(f"{result['model']} on {result['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="Hugging Face folder, or a bench/configs/ folder with --dummy-weights")
+    ap.add_argument("--dummy-weights", action="store_true")
+    ap.add_argument("--quantization", default=None, choices=["awq"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-vram", default=None)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--kv-cache-memory", default=None, help="KV pool size (CPU runs)")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--input-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"))
+    ap.add_argument("--output-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"))
+    ap.add_argument("--batch1-prompt-len", type=int, default=128)
+    ap.add_argument("--batch1-output-len", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--hf-num-prompts", type=int, default=None, help="time HF on the first N requests only")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--hf-model", default=None, help="the baseline's fp16 model folder (default: MODEL)")
+    ap.add_argument("--name", default=None, help="result name (default: the model folder's name)")
+    ap.add_argument("--out-dir", default=str(RESULTS))
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    from transformers import AutoConfig
+
+    vocab = int(AutoConfig.from_pretrained(args.model).vocab_size)
+    requests = make_requests(args.num_prompts, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
+    b1_prompt = make_requests(1, (args.batch1_prompt_len,) * 2, (1, 1), vocab, args.seed + 1)[0].prompt_token_ids
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = args.name or Path(args.model).name
+    result: dict = {
+        "model": name, "device": torch.cuda.get_device_name() if device.type == "cuda" else
+        f"{platform.machine()} CPU ({torch.get_num_threads()} threads)",
+        "torch": torch.__version__, "weights": "dummy (random)" if args.dummy_weights else "checkpoint",
+        "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype, "max_vram": args.max_vram,
+        "workload": {"num_prompts": args.num_prompts, "input_len": list(args.input_len),
+                     "output_len": list(args.output_len), "seed": args.seed, "temperature": 1.0, "ignore_eos": True,
+                     "batch1_prompt_len": args.batch1_prompt_len, "batch1_output_len": args.batch1_output_len},
+    }
+    # transformers first: it frees cleanly, and our engine sizes its KV pool from the memory left.
+    if not args.no_hf:
+        result["transformers"] = run_hf(args, requests, b1_prompt, device)
+        print("transformers:", json.dumps(result["transformers"]), flush=True)
+    result["lightinfer"] = run_lightinfer(args, requests, b1_prompt)
+    print("lightinfer:", json.dumps(result["lightinfer"]), flush=True)
+    if not args.no_hf:
+        ours, hf = result["lightinfer"], result["transformers"]
+        result["ratios"] = {
+            "throughput_output_tokens": ours["throughput"]["output_tokens_per_s"] / hf["throughput"]["output_tokens_per_s"],
+            "batch1_end_to_end": ours["batch1"]["end_to_end_tokens_per_s"] / hf["batch1"]["end_to_end_tokens_per_s"],
+        }
+        print("ratios:", json.dumps(result["ratios"]), flush=True)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"e2e_{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    try:
+        plot(result, out_dir / f"e2e_{name}.png")
+    except ImportError:  # the GPU image may lack matplotlib: plot later from the JSON
+        print("matplotlib missing: no PNG written")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The host-side layout of one step: flat token lists in the order the forward runs them.
+
+Both the eager forward (``ModelRunner``) and the CUDA-graph decode (``cuda_graph.py``) start
+from the same :class:`StepInputs`, so the order of rows and the mapping of logits rows back
+to ``out.scheduled`` exist in one place only::
+
+    out.scheduled   [d0 d1 d2 | p0 p1]     decodes first (scheduler), then prefill chunks
+    token rows      [d1 d2 d0 | p0... p1...] decodes sorted by context length (the CPU decode
+                                            groups neighbours), prefills as scheduled
+    logits_idx      rows of the sampled tokens, in ``out.scheduled`` order
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lightinfer.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepInputs:
+    """One step as Python lists (no tensors, no device).
+
+    Attributes:
+        input_ids: ``[num_tokens]`` token ids, decodes first.
+        positions: ``[num_tokens]`` absolute position of each token.
+        slot_mapping: ``[num_tokens]`` KV cache slot (``block * block_size + offset``) of each token.
+        context_lens: ``[num_seqs]`` tokens in the cache per sequence after this step, row order.
+        block_tables: ``num_seqs`` block-id lists, row order (ragged).
+        cu_seqlens_q: ``[num_prefills + 1]`` offsets of the prefill chunks, from the first prefill token.
+        num_decodes: sequences (= tokens) at the front that are decodes (one new token).
+        logits_idx: token rows whose logits are returned, in ``out.scheduled`` order.
+    """
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    cu_seqlens_q: list[int] = field(default_factory=lambda: [0])
+    num_decodes: int = 0
+    logits_idx: list[int] = field(default_factory=list)
+
+    @property
+    def max_num_blocks(self) -> int:
+        """Longest block table of the step (>= 1, so that a table tensor is never 0 wide)."""
+        return max([1, *(len(t) for t in self.block_tables)])
+
+
+def build_step_inputs(out: SchedulerOutput, all_logits: bool, block_size: int) -> StepInputs:
+    """Lay out ``out`` as flat lists (see the module docstring for the order).
+
+    Args:
+        out: the scheduled step (decodes first).
+        all_logits: a logits row for every computed token (scoring) instead of one per
+            sequence that completes its prompt.
+        block_size: tokens per KV block.
+    Returns:
+        The step's :class:`StepInputs`.
+    """
+    step = StepInputs(num_decodes=out.num_decodes)
+    nd = step.num_decodes
+    decode_order = sorted(range(nd), key=lambda i: out.scheduled[i].start)
+    token_range: dict[int, tuple[int, int]] = {}
+    for i in decode_order + list(range(nd, len(out.scheduled))):
+        s = out.scheduled[i]
+        seq, a, b = s.seq, s.start, s.start + s.num_new_tokens
+        token_range[i] = (len(step.input_ids), len(step.input_ids) + s.num_new_tokens)
+        step.input_ids += seq.token_ids[a:b]
+        step.positions += range(a, b)
+        table = seq.block_table
+        step.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(a, b)]
+        step.context_lens.append(b)
+        step.block_tables.append(table)
+        if i >= nd:
+            step.cu_seqlens_q.append(step.cu_seqlens_q[-1] + s.num_new_tokens)
+    for i, s in enumerate(out.scheduled):
+        first, end = token_range[i]
+        if all_logits:
+            step.logits_idx += range(first, end)
+        elif s.completes_prompt:
+            step.logits_idx.append(end - 1)
+    return step
+
+
+def block_table_tensor(tables: list[list[int]], num_rows: int, width: int, fill: int) -> torch.Tensor:
+    """Ragged block tables -> int32 ``[num_rows, width]`` on the CPU, ``fill`` where no block is.
+
+    Rows past ``len(tables)`` are all ``fill`` (the padding rows of a CUDA-graph batch).
+
+    Raises:
+        ValueError: a table longer than ``width`` or more tables than ``num_rows``.
+    """
+    if len(tables) > num_rows:
+        raise ValueError(f"{len(tables)} block tables do not fit in {num_rows} rows")
+    out = torch.full((num_rows, width), fill, dtype=torch.int32)
+    for row, table in enumerate(tables):
+        if len(table) > width:
+            raise ValueError(f"a block table of {len(table)} blocks does not fit in {width} columns")
+        if table:
+            out[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    return out
