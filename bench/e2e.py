@@ -24,6 +24,7 @@ import json
 import platform
 import random
 import resource
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,10 +55,12 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _peak_memory_bytes(device: torch.device) -> int:
+def _peak_memory(device: torch.device) -> dict[str, int]:
+    """On CUDA the allocator's peak since the last reset (this run alone); on a CPU only the
+    process's peak RSS exists, which includes every run before it in this process."""
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        return {"peak_memory_bytes": int(torch.cuda.max_memory_allocated(device))}
+    return {"process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
 
 
 def _free_memory() -> None:
@@ -116,7 +119,8 @@ def run_lightinfer(args: argparse.Namespace, requests: list[Request], b1_prompt:
                    "decode_tokens_per_s": (n - 1) / (m.finished_time - m.first_token_time),
                    "end_to_end_tokens_per_s": n / (m.finished_time - m.arrival_time),
                    "time_to_first_token_s": m.time_to_first_token},
-        "peak_memory_bytes": _peak_memory_bytes(device),
+        "dtype": str(runner.dtype).replace("torch.", ""),
+        **_peak_memory(device),
     }
     del llm, engine, runner, outs
     _free_memory()
@@ -177,7 +181,7 @@ def run_hf(args: argparse.Namespace, requests: list[Request], b1_prompt: list[in
                        "output_tokens_per_s": out_tokens / elapsed,
                        "total_tokens_per_s": (out_tokens + prompt_tokens) / elapsed},
         "batch1": {"end_to_end_tokens_per_s": args.batch1_output_len / b1_s},
-        "peak_memory_bytes": _peak_memory_bytes(device),
+        **_peak_memory(device),
     }
     del model
     _free_memory()
@@ -205,7 +209,8 @@ def plot(result: dict, path: Path) -> None:
         bars = ax.bar(names, values, color=["tab:blue", "tab:gray"][: len(values)])
         ax.bar_label(bars, fmt="%.0f")
         ax.set_title(title)
-    fig.suptitle(f"{result['model']} on {result['device']}", fontsize=10)
+    kv = "INT8" if result["kv_cache_dtype"] == "int8" else ours["dtype"]
+    fig.suptitle(f"{result['model']} ({result['weights_format']}, {kv} KV cache) on {result['device']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -236,14 +241,58 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hf-model", default=None, help="the baseline's fp16 model folder (default: MODEL)")
     ap.add_argument("--name", default=None, help="result name (default: the model folder's name)")
     ap.add_argument("--out-dir", default=str(RESULTS))
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    for flag, (lo, hi) in (("--input-len", args.input_len), ("--output-len", args.output_len)):
+        if not 1 <= lo <= hi:
+            ap.error(f"{flag} MIN MAX needs 1 <= MIN <= MAX, got {lo} {hi}")
+    for flag, value, least in (("--num-prompts", args.num_prompts, 1), ("--hf-batch-size", args.hf_batch_size, 1),
+                               ("--batch1-prompt-len", args.batch1_prompt_len, 1),
+                               ("--batch1-output-len", args.batch1_output_len, 2),
+                               ("--hf-num-prompts", args.hf_num_prompts or 1, 1)):
+        if value < least:
+            ap.error(f"{flag} must be >= {least}, got {value}")
+    return args
+
+
+def preflight(args: argparse.Namespace) -> tuple[int, int, bool]:
+    """Check what would fail late (after minutes of baseline) before anything runs.
+
+    Returns:
+        ``(vocab_size, max_model_len, quantized)`` of the model as lightinfer will run it.
+    Raises:
+        ValueError: requests longer than the model's context, ``--quantization awq`` on a
+            checkpoint that is not AWQ, or an AWQ checkpoint as the transformers baseline.
+    """
+    from lightinfer.loader import Checkpoint
+
+    ckpt = Checkpoint(args.model, read_weights=False)
+    hf = ckpt.hf_config
+    max_len = args.max_model_len or min(int(getattr(hf, "max_position_embeddings", 8192)), 8192)
+    longest = max(args.input_len[1] + args.output_len[1], args.batch1_prompt_len + args.batch1_output_len)
+    if longest > max_len:
+        raise ValueError(f"a request can reach {longest} tokens (prompt + output) but the model runs with "
+                         f"max_model_len={max_len}: shorten --input-len/--output-len or raise --max-model-len")
+    quantized = ckpt.quant_config is not None or (args.dummy_weights and args.quantization == "awq")
+    if args.quantization == "awq" and ckpt.quant_config is None and not args.dummy_weights:
+        raise ValueError(f"--quantization awq, but {args.model} is not an AWQ checkpoint (or add --dummy-weights)")
+    if ckpt.quant_config is not None and not (args.dummy_weights or args.no_hf or args.hf_model):
+        raise ValueError(f"{args.model} is an AWQ checkpoint: give its fp16 source as the baseline with "
+                         f"--hf-model DIR, or skip the baseline with --no-hf")
+    if not torch.cuda.is_available() and not args.no_hf:  # transformers would be OOM-killed, not refuse
+        from lightinfer.models.registry import get_model_class
+
+        from lightinfer.engine.memory import available_host_bytes, check_host_memory
+
+        with torch.device("meta"):
+            skeleton = get_model_class(hf)(hf, None, torch.float32)
+        check_host_memory({"transformers fp32 baseline": sum(p.numel() * 4 for p in skeleton.parameters())},
+                          available_host_bytes())
+    return int(hf.vocab_size), max_len, quantized
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    from transformers import AutoConfig
-
-    vocab = int(AutoConfig.from_pretrained(args.model).vocab_size)
+    vocab, max_len, quantized = preflight(args)
     requests = make_requests(args.num_prompts, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
     b1_prompt = make_requests(1, (args.batch1_prompt_len,) * 2, (1, 1), vocab, args.seed + 1)[0].prompt_token_ids
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -252,7 +301,8 @@ def main(argv: list[str] | None = None) -> dict:
         "model": name, "device": torch.cuda.get_device_name() if device.type == "cuda" else
         f"{platform.machine()} CPU ({torch.get_num_threads()} threads)",
         "torch": torch.__version__, "weights": "dummy (random)" if args.dummy_weights else "checkpoint",
-        "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype, "max_vram": args.max_vram,
+        "weights_format": "AWQ W4A16" if quantized else "dense", "kv_cache_dtype": args.kv_cache_dtype,
+        "max_model_len": max_len, "max_vram": args.max_vram,
         "workload": {"num_prompts": args.num_prompts, "input_len": list(args.input_len),
                      "output_len": list(args.output_len), "seed": args.seed, "temperature": 1.0, "ignore_eos": True,
                      "batch1_prompt_len": args.batch1_prompt_len, "batch1_output_len": args.batch1_output_len},
@@ -281,4 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as e:  # bad input: one line, no traceback
+        sys.exit(f"error: {e}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -29,13 +30,29 @@ RESULTS = Path(__file__).resolve().parent / "results"
 BUDGETS_GIB = (8, 12, 16, 24)
 VARIANTS = {"W4 + INT8 KV": ("awq", "int8"), "W4 + fp16 KV": ("awq", "auto"), "fp16 + fp16 KV": (None, "auto")}
 SEQ_LEN = 2048
+# The engine's "does not fit" messages (engine/memory.py, ModelRunner): a 0 cell, not a failure.
+FIT_ERRORS = ("cannot fit in the GPU memory budget", "fixed GPU memory costs cannot fit", "the KV cache has room")
 GIB = 2**30
+
+
+def _model_path(model: str) -> str:
+    """A ``bench/configs/`` name or a model folder.
+
+    Raises:
+        FileNotFoundError: neither, with the names that exist.
+    """
+    if (CONFIGS / model).is_dir():
+        return str(CONFIGS / model)
+    if Path(model).is_dir():
+        return model
+    names = sorted(p.name for p in CONFIGS.iterdir() if (p / "config.json").is_file())
+    raise FileNotFoundError(f"{model!r} is neither a config in bench/configs/ ({', '.join(names)}) nor a folder")
 
 
 def _checkpoint(model: str) -> object:
     from lightinfer.loader import Checkpoint
 
-    return Checkpoint(str(CONFIGS / model) if (CONFIGS / model).is_dir() else model, read_weights=False)
+    return Checkpoint(_model_path(model), read_weights=False)
 
 
 def weight_bytes(hf_config: object, quantization: str | None, dtype: torch.dtype = torch.float16,
@@ -109,12 +126,14 @@ def measured_row(model: str, variant: str, budget_gib: int) -> dict:
     from lightinfer import LLM
 
     quant, kv_dtype = VARIANTS[variant]
-    path = str(CONFIGS / model) if (CONFIGS / model).is_dir() else model
     row = {"model": model, "variant": variant, "budget_gib": budget_gib}
     try:
-        llm = LLM(path, load_format="dummy", quantization=quant, kv_cache_dtype=kv_dtype, dtype="float16",
-                  max_model_len=SEQ_LEN, max_vram=f"{budget_gib}GiB", gpu_memory_utilization=1.0)
-    except ValueError as e:  # does not fit: the engine's own message is the cell
+        llm = LLM(_model_path(model), load_format="dummy", quantization=quant, kv_cache_dtype=kv_dtype,
+                  dtype="float16", max_model_len=SEQ_LEN, max_vram=f"{budget_gib}GiB", gpu_memory_utilization=1.0)
+    except ValueError as e:
+        if not any(m in str(e) for m in FIT_ERRORS):
+            raise  # a bad config, not a budget too small
+        # Does not fit: the cell is 0 and the engine's own message says why.
         return {**row, "kv_pool_tokens": 0, "sequences_2048": 0, "error": str(e).splitlines()[0]}
     runner = llm.llm_engine.model_runner
     tokens = runner.num_blocks * runner.kv_spec.block_size
@@ -160,7 +179,7 @@ def markdown(rows: list[dict]) -> str:
             cells = [next(r for r in rows if r["model"] == model and r["variant"] == variant and r["budget_gib"] == b)
                      for b in BUDGETS_GIB]
             lines.append(f"| {model} | {variant} | " + " | ".join(
-                f"{c['sequences_2048']} ({c['kv_pool_tokens'] // 1024}k tok)" for c in cells) + " |")
+                f"{c['sequences_2048']} ({c['kv_pool_tokens'] / 1000:.1f}k tok)" for c in cells) + " |")
     return "\n".join(lines)
 
 
@@ -171,6 +190,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--non-torch-gib", type=float, default=0.5, help="computed mode: CUDA context etc.")
     ap.add_argument("--out-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
+    if args.measure and not torch.cuda.is_available():
+        raise ValueError("--measure starts the engine on a GPU and this machine has none; without --measure "
+                         "the table is computed from the shapes")
+    for m in args.models:
+        _model_path(m)  # a misspelled name fails before any work
     rows = [measured_row(m, v, b) if args.measure else computed_row(m, v, b, args.non_torch_gib)
             for m in args.models for v in VARIANTS for b in BUDGETS_GIB]
     name = "memory_table_measured" if args.measure else "memory_table"
@@ -188,4 +212,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as e:  # bad input: one line, no traceback
+        sys.exit(f"error: {e}")

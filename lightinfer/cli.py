@@ -45,19 +45,43 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def _generate(args: argparse.Namespace) -> int:
     from lightinfer.llm import LLM, apply_chat_template
 
-    if not args.prompt:
-        raise ValueError("the prompt is empty; give --prompt TEXT")
+    prompt: str | list[int]
+    if args.prompt_ids is not None:
+        if args.chat:
+            raise ValueError("--chat wraps a text prompt; it does not combine with --prompt-ids")
+        prompt = _parse_ids(args.prompt_ids)
+    else:
+        if not args.prompt:
+            raise ValueError("the prompt is empty; give --prompt TEXT")
+        prompt = args.prompt
+        if args.dummy_weights:  # fail before building the model when there is no tokenizer to read text
+            from lightinfer.loader import Checkpoint
+
+            if not Checkpoint(args.model, read_weights=False).has_tokenizer:
+                raise ValueError(f"{args.model} has no tokenizer files (a bare config with --dummy-weights), so "
+                                 f"it cannot read text; give token ids instead: --prompt-ids 1,2,3")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     llm = LLM(args.model, **engine_kwargs(args))
-    prompt: str | list[int] = args.prompt
     if args.chat:
         prompt = apply_chat_template(llm.tokenizer, [{"role": "user", "content": args.prompt}])
+    if llm.tokenizer is None:  # ids in, ids out
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        sys.stdout.write(" ".join(map(str, out.token_ids)) + "\n")
+        return 0
     for piece in llm.stream(prompt, params):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
+
+
+def _parse_ids(text: str) -> list[int]:
+    """``"1,2, 3"`` or ``"1 2 3"`` -> ``[1, 2, 3]``. Raises ValueError on anything else."""
+    parts = text.replace(",", " ").split()
+    if not parts or not all(p.isdigit() for p in parts):
+        raise ValueError(f"--prompt-ids takes token ids separated by commas or spaces, e.g. 1,2,3; got {text!r}")
+    return [int(p) for p in parts]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     add_engine_args(g)
-    g.add_argument("--prompt", required=True)
+    which = g.add_mutually_exclusive_group(required=True)
+    which.add_argument("--prompt", help="the prompt text")
+    which.add_argument("--prompt-ids", help="the prompt as token ids, e.g. 1,2,3 (models without a tokenizer: "
+                       "the output is printed as ids too)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)

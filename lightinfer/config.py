@@ -113,6 +113,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
+        if self.embedding_on_host is not None and not isinstance(self.embedding_on_host, bool):
+            raise ValueError(f"embedding_on_host must be True, False or None (auto), got {self.embedding_on_host!r}")
         if self.block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be 8, 16 or 32 tokens, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -144,8 +144,16 @@ class LLM:
         return results  # type: ignore[return-value]
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text pieces of one completion as they are generated (they join to the final text)."""
+        """Yield text pieces of one completion as they are generated (they join to the final text).
+
+        Raises:
+            ValueError: a bad prompt or setting, or an engine without a tokenizer (no text to
+                stream: use :meth:`generate`, whose outputs carry the token ids).
+        """
         engine = self.llm_engine
+        if engine.tokenizer is None:
+            raise ValueError("stream() yields text and this engine has no tokenizer (a dummy model from a bare "
+                             "config folder, or skip_tokenizer_init): use generate() and read outputs[0].token_ids")
         rid = f"llm-{next(self._ids)}"
         engine.add_request(rid, prompt, sampling_params or SamplingParams())
         sent = 0
@@ -184,10 +192,17 @@ class Pipeline:
     """
 
     def __init__(self, llm: LLM) -> None:
+        if llm.tokenizer is None:
+            raise ValueError("a pipeline takes text and messages, and this model has no tokenizer (a dummy model "
+                             "from a bare config folder?): use LLM(...).generate with token-id prompts instead")
         self.llm = llm
 
     def _to_ids(self, prompt: str | list[Message]) -> list[int] | str:
         tok = self.llm.tokenizer
+        if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not all(
+                isinstance(m, dict) for m in prompt)):
+            raise ValueError(f"a pipeline prompt is a string or a list of {{'role': ..., 'content': ...}} messages, "
+                             f"got {type(prompt).__name__} {str(prompt)[:60]!r}; token ids go to LLM.generate")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")

@@ -70,3 +70,23 @@ def test_memory_table_computed(tmp_path) -> None:
             assert int8 >= 1.9 * fp16kv - 1  # INT8 KV nearly doubles the sequences at equal weights
     assert "| llama-3-8b | W4 + INT8 KV |" in mt.markdown(rows)
     assert json.loads((tmp_path / "memory_table.json").read_text())["rows"] == rows
+
+
+def test_bad_benchmark_input_fails_before_any_work(tmp_path) -> None:
+    import transformers
+
+    e2e, mt = _load("e2e"), _load("memory_table")
+    for bad in (["--input-len", "40", "8"], ["--num-prompts", "0"], ["--hf-batch-size", "0"],
+                ["--batch1-output-len", "1"]):
+        with pytest.raises(SystemExit):
+            e2e.parse_args(["m", *bad])
+    transformers.LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                             architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path / "tiny")
+    with pytest.raises(ValueError, match="max_model_len=512"):
+        e2e.preflight(e2e.parse_args([str(tmp_path / "tiny"), "--output-len", "100", "600"]))
+    with pytest.raises(ValueError, match="not an AWQ checkpoint"):
+        e2e.preflight(e2e.parse_args([str(tmp_path / "tiny"), "--quantization", "awq", "--input-len", "8", "9",
+                                           "--output-len", "8", "9", "--batch1-output-len", "8"]))
+    with pytest.raises(FileNotFoundError, match="llama-3-8b"):
+        mt.main(["--models", "llama3", "--out-dir", str(tmp_path)])

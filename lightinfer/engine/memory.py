@@ -104,3 +104,37 @@ def plan_kv_pool(
         f"{block_size}), {tokens // max(max_model_len, 1)} full sequences of max_model_len={max_model_len}"
     )
     return int(num_blocks), "\n".join(lines)
+
+
+def available_host_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (what can be allocated without swapping);
+    None where there is no such file (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file counts KiB
+    except OSError:
+        return None
+    return None
+
+
+def check_host_memory(parts: dict[str, int], available: int | None) -> None:
+    """Refuse to build a CPU model that cannot fit in host memory (it would be OOM-killed or
+    swap for minutes, with no useful message).
+
+    Args:
+        parts: bytes by what needs them, e.g. ``{"weights (float32)": ..., "KV pool": ...}``.
+        available: bytes available (``available_host_bytes()``); None skips the check.
+    Raises:
+        ValueError: the parts add up to more than ``available``; every figure is in the message.
+    """
+    need = sum(parts.values())
+    if available is None or need <= available:
+        return
+    detail = ", ".join(f"{name} {_gib(n)}" for name, n in parts.items() if n)
+    raise ValueError(
+        f"on the CPU this model needs about {_gib(need)} of memory ({detail}) but only {_gib(available)} is "
+        f"available. Run it on a GPU (device='cuda'), or use a smaller model; the configs in bench/configs/ are "
+        f"meant for GPU benchmarks."
+    )

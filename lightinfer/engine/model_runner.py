@@ -11,10 +11,17 @@ from lightinfer.dummy_weights import init_dummy_weights
 from lightinfer.engine.cpu_malloc import tune_malloc_for_cpu_inference
 from lightinfer.engine.cuda_graph import DecodeGraphRunner, graph_batch_sizes
 from lightinfer.engine.kv_cache import KVCacheSpec
-from lightinfer.engine.memory import check_weights_fit, graph_reserve_bytes, plan_kv_pool
+from lightinfer.engine.memory import (
+    available_host_bytes,
+    check_host_memory,
+    check_weights_fit,
+    graph_reserve_bytes,
+    plan_kv_pool,
+)
 from lightinfer.engine.scheduler import SchedulerOutput
 from lightinfer.engine.step_inputs import StepInputs, block_table_tensor, build_step_inputs
 from lightinfer.layers.attention import Attention, AttentionMetadata, set_context
+from lightinfer.layers.linear import W4A16Linear
 from lightinfer.loader import Checkpoint, load_weights
 from lightinfer.models.registry import get_model_class
 
@@ -45,6 +52,8 @@ class ModelRunner:
             tune_malloc_for_cpu_inference()  # before the large allocations; see cpu_malloc.py
         hf_config = checkpoint.hf_config
         model_cls = get_model_class(hf_config)
+        if self.device.type == "cpu":
+            check_host_memory(self._cpu_memory_parts(model_cls, checkpoint), available_host_bytes())
         with torch.device(self.device):
             self.model = model_cls(hf_config, checkpoint.quant_config, self.dtype)
         if config.load_format == "dummy":
@@ -75,6 +84,20 @@ class ModelRunner:
         self.graph_runner: DecodeGraphRunner | None = None
         if self._uses_cuda_graphs():
             self.graph_runner = self._capture_graphs()
+
+    def _cpu_memory_parts(self, model_cls: type, checkpoint: Checkpoint) -> dict[str, int]:
+        """Host bytes a CPU engine will hold, by part, from the model built on the meta device."""
+        with torch.device("meta"):
+            skeleton = model_cls(checkpoint.hf_config, checkpoint.quant_config, self.dtype)
+        tensors = {id(t): t for t in [*skeleton.parameters(), *skeleton.buffers()]}
+        weights = sum(t.numel() * t.element_size() for t in tensors.values())
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        # On a CPU every 4-bit layer also keeps its weight dequantized once (W4A16Linear.pack_for_cpu).
+        dense = sum(m.in_features * m.out_features * elem for m in skeleton.modules() if isinstance(m, W4A16Linear))
+        kv = self.config.kv_cache_memory_bytes or (0 if self.config.num_kv_blocks else CPU_DEFAULT_KV_CACHE_BYTES)
+        dtype = str(self.dtype).replace("torch.", "")
+        return {f"weights ({dtype})": weights, "4-bit layers dequantized for the CPU GEMM": dense,
+                "KV pool": int(kv)}
 
     # ------------------------------------------------------------------ KV pool
     def _kv_budget_bytes(self) -> tuple[int, str]:

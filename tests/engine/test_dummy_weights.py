@@ -128,3 +128,41 @@ def test_bench_configs_build_as_4bit_models(name: str) -> None:
     assert n_w4 == 7 * ckpt.hf_config.num_hidden_layers
     cfg = json.loads((BENCH_CONFIGS / name / "config.json").read_text())
     assert cfg["hidden_size"] % 128 == 0 and cfg["intermediate_size"] % 128 == 0
+
+
+def test_tokenizer_less_stream_and_pipeline_are_clear_errors(tmp_path) -> None:
+    from lightinfer import pipeline
+
+    folder = _config_folder(tmp_path / "cfg")
+    llm = LLM(str(folder), load_format="dummy", dtype="float32", num_kv_blocks=32)
+    with pytest.raises(ValueError, match="stream\\(\\) yields text.*use generate"):
+        next(iter(llm.stream([1, 2, 3])))
+    with pytest.raises(ValueError, match="pipeline takes text"):
+        pipeline(str(folder), load_format="dummy", dtype="float32", num_kv_blocks=32)
+    with pytest.raises(ValueError, match="embedding_on_host must be"):
+        LLM(str(folder), load_format="dummy", embedding_on_host="no")
+
+
+def test_cli_generate_with_prompt_ids(tmp_path, capsys) -> None:
+    from lightinfer.cli import main
+
+    folder = str(_config_folder(tmp_path / "cfg"))
+    common = ["generate", folder, "--dummy-weights", "--dtype", "float32", "--kv-cache-memory", "8MiB",
+              "--max-tokens", "5", "--temperature", "0"]
+    assert main([*common, "--prompt-ids", "5, 6 7"]) == 0
+    ids = capsys.readouterr().out.split()
+    assert len(ids) == 5 and all(t.isdigit() for t in ids)
+    assert main([*common, "--prompt", "hi"]) == 2
+    assert "no tokenizer files" in capsys.readouterr().err
+    assert main([*common, "--prompt-ids", "1,x"]) == 2
+    assert "--prompt-ids takes token ids" in capsys.readouterr().err
+
+
+def test_a_model_too_big_for_host_memory_is_refused_before_allocating(monkeypatch) -> None:
+    """Llama-2-7B on a CPU: fp32 weights alone are 25 GiB; with a (pretend) 8 GiB machine the
+    engine refuses with the figures instead of being OOM-killed."""
+    import lightinfer.engine.model_runner as mr
+
+    monkeypatch.setattr(mr, "available_host_bytes", lambda: 8 * 2**30)
+    with pytest.raises(ValueError, match=r"needs about 2[0-9]\.\d\d GiB .* only 8\.00 GiB is available"):
+        LLM(str(BENCH_CONFIGS / "llama-2-7b"), load_format="dummy", device="cpu")
