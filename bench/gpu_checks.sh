@@ -5,6 +5,8 @@
 #   bash bench/gpu_checks.sh tests    # tests/gpu (engine + kernels), ~3 min
 #   bash bench/gpu_checks.sh e2e      # Llama-2-7B shape, W4 + INT8 KV vs transformers fp16, ~8 min
 #   bash bench/gpu_checks.sh memory   # the memory table measured by the engine (24 engine starts)
+#   bash bench/gpu_checks.sh smollm2  # SmolLM2 AWQ + INT8 KV, GPU vs CPU: the second of two calls that
+#                                     # bring the model (see bench/gpu_assets.py), ~1 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results/gpu}"
@@ -21,5 +23,8 @@ case "${1:-tests}" in
       --hf-num-prompts 64 --out-dir "$OUT" 2>&1 | tee "$OUT/e2e_llama-2-7b.log" | tail -20 ;;
   memory)
     python bench/memory_table.py --measure --out-dir "$OUT" 2>&1 | tee "$OUT/memory_table.log" | tail -20 ;;
-  *) echo "unknown stage $1 (tests | e2e | memory)"; exit 2 ;;
+  smollm2)
+    python bench/gpu_assets.py join && python -m pytest -q -s tests/gpu/test_engine_gpu.py -k smollm2 2>&1 \
+      | tee "$OUT/smollm2_gpu_vs_cpu.log" | tail -20 ;;
+  *) echo "unknown stage $1 (tests | e2e | memory | smollm2)"; exit 2 ;;
 esac
