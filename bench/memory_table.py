@@ -89,13 +89,18 @@ def activation_bytes(hf_config: object, quantization: str | None, num_tokens: in
 
     The peak is inside the MLP: residual, input and output ``[T, hidden]`` plus a spare one,
     the fused gate/up output ``[T, 2 x intermediate]`` and its activation ``[T, intermediate]``;
-    with 4-bit weights, large batches (M > 64 rows) dequantize the weight of the layer being run
-    once for cuBLAS (``kernels/w4a16_gemm.py``), the largest being gate/up ``[2 x inter, hidden]``;
+    with 4-bit weights, large batches (M > 64 rows) dequantize the layer's weight for cuBLAS one
+    slab of rows at a time (``kernels/w4a16_gemm.py``: one slab buffer plus that slab's output);
     plus the last token's fp32 logits and their softmax.
     """
+    from lightinfer.kernels.w4a16_gemm import dequant_slab_rows
+
     h, i, v = hf_config.hidden_size, hf_config.intermediate_size, hf_config.vocab_size
     act = num_tokens * (4 * h + 3 * i) * 2
-    dequant = 2 * i * h * 2 if quantization == "awq" else 0
+    dequant = 0
+    if quantization == "awq":  # the largest slab: fused gate/up ([2i, h]) or down ([h, i])
+        dequant = max(rows * k * 2 + num_tokens * rows * 2
+                      for n, k in ((2 * i, h), (h, i)) for rows in [dequant_slab_rows(n, k, 2)])
     return act + dequant + 2 * v * 4
 
 

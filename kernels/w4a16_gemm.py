@@ -81,6 +81,12 @@ TILED_CONFIGS: list[TiledConfig] = [
 ]
 DEQUANT_BLOCK_N = 64
 DEQUANT_NUM_WARPS = 4
+# The dequant path dequantizes W in slabs of output rows of at most this many bytes, each handed
+# to cuBLAS in turn: the whole dense weight at once (235 MB for Llama-3-8B's fused gate/up) would
+# set the engine's activation peak, which on an 8 GiB card is KV cache lost. Slabs of >= 2,048
+# rows keep each GEMM large enough for cuBLAS (unmeasured on a GPU so far: re-check the M >= 1024
+# timings of bench/kernels.py).
+DEQUANT_SLAB_BYTES = 32 * 2**20
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -288,13 +294,44 @@ def pick_split_k(m: int, n: int, k: int, group_size: int, path: str, device: tor
 
 def dequantize_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Run-time layout -> dense ``[N, K]`` weight in ``dtype`` (Triton twin of ``reference.dequantize_w4``)."""
+    w = torch.empty((qweight.shape[0], qweight.shape[1] * 8), dtype=dtype, device=qweight.device)
+    _dequantize_into(w, qweight, scales, zeros)
+    return w
+
+
+def _dequantize_into(w: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+    """Dequantize into ``w [N, K]`` (row stride free; ``qweight`` rows and ``scales``/``zeros``
+    columns may be slices of a larger layer: only the row strides are used)."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     g = k // scales.shape[0]
-    w = torch.empty((n, k), dtype=dtype, device=qweight.device)
     grid = (triton.cdiv(n, DEQUANT_BLOCK_N), k // g)
     _w4_dequant_kernel[grid](qweight, scales, zeros, w, n, k, qweight.stride(0), scales.stride(0), w.stride(0),
                              GROUP_SIZE=g, BLOCK_N=DEQUANT_BLOCK_N, num_warps=DEQUANT_NUM_WARPS)
-    return w
+
+
+def dequant_slab_rows(n: int, k: int, elem_bytes: int) -> int:
+    """Output rows per dequantized slab (:data:`DEQUANT_SLAB_BYTES`), a multiple of the dequant
+    kernel's ``DEQUANT_BLOCK_N`` and of 8, at least one block, at most ``n``."""
+    rows = DEQUANT_SLAB_BYTES // max(1, k * elem_bytes) // DEQUANT_BLOCK_N * DEQUANT_BLOCK_N
+    return min(n, max(DEQUANT_BLOCK_N, rows))
+
+
+def _dequant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """Large M: dequantize W slab by slab (one reused buffer) and let cuBLAS multiply each slab."""
+    m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
+    rows = dequant_slab_rows(n, k, x.element_size())
+    b = None if bias is None else bias.to(x.dtype)
+    if rows >= n:
+        return torch.nn.functional.linear(x, dequantize_w4(qweight, scales, zeros, x.dtype), b)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    slab = torch.empty((rows, k), dtype=x.dtype, device=x.device)
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        w = slab[: n1 - n0]
+        _dequantize_into(w, qweight[n0:n1], scales[:, n0:n1], zeros[:, n0:n1])
+        y[:, n0:n1] = torch.nn.functional.linear(x, w, None if b is None else b[n0:n1])
+    return y
 
 
 def w4a16_gemm_path(
@@ -313,8 +350,7 @@ def w4a16_gemm_path(
     if m == 0:
         return torch.empty((0, n), dtype=x.dtype, device=x.device)
     if path == "dequant":
-        w = dequantize_w4(qweight, scales, zeros, x.dtype)
-        return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+        return _dequant_matmul(x, qweight, scales, zeros, bias)
     if path == "gemv":
         if m > GEMV_FORCED_MAX_M:
             raise ValueError(f"w4a16_gemm: gemv path handles at most {GEMV_FORCED_MAX_M} rows, got M={m}")

@@ -128,3 +128,19 @@ def test_validation_errors(case: str) -> None:
         scales, zeros = torch.rand(3, 16).half(), torch.zeros(3, 16).half()  # 128 % 3 != 0
     with pytest.raises(ValueError):
         wg.w4a16_gemm(x, qweight, scales, zeros, bias)
+
+
+def test_dequant_path_in_slabs(monkeypatch) -> None:
+    """A slab budget smaller than the weight: W is dequantized a few rows at a time (the last
+    slab partial, N = 8 * odd), with bias, and the result still matches the reference."""
+    assert wg.dequant_slab_rows(28672, 4096, 2) == 4096  # Llama-3-8B gate/up: 7 slabs of 32 MiB
+    assert wg.dequant_slab_rows(100, 4096, 2) == 100  # small layers: one slab
+    n, k, g = 200, 128, 32
+    qweight, scales, zeros = _weights(n, k, g, torch.float16)
+    monkeypatch.setattr(wg, "DEQUANT_SLAB_BYTES", 64 * k * 2)  # 64 rows of fp16 per slab
+    assert wg.dequant_slab_rows(n, k, 2) == 64  # 200 rows -> slabs of 64, 64, 64, 8
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(4)).half()
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(5)).half()
+    got = wg.w4a16_gemm_path(x, qweight, scales, zeros, bias, path="dequant")
+    torch.testing.assert_close(got.float(), ref.w4a16_gemm(x, qweight, scales, zeros, bias).float(),
+                               **_tol(torch.float16))
