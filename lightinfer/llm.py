@@ -130,10 +130,12 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(items)
         bar = tqdm(total=len(items), desc="generating", disable=not use_tqdm)
         try:
-            while any(r is None for r in results):
-                for out in engine.step():
+            remaining = len(items)
+            while remaining:
+                for out in engine.step(final_only=True):
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
+                        remaining -= 1
                         bar.update(1)
         except BaseException:
             for rid in order:  # an interrupt must not leave requests holding KV blocks

@@ -18,7 +18,7 @@ from lightinfer.engine.detokenizer import IncrementalDetokenizer, find_stop, sto
 from lightinfer.engine.model_runner import ModelRunner
 from lightinfer.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from lightinfer.engine.sequence import Sequence
-from lightinfer.layers.sampler import Sampler, SamplingRow
+from lightinfer.layers.sampler import Sampler, SamplingRow, has_penalties
 from lightinfer.loader import Checkpoint
 from lightinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from lightinfer.sampling_params import SamplingParams
@@ -237,8 +237,16 @@ class LLMEngine:
         return bool(self.requests)
 
     # ------------------------------------------------------------------ step
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, update. Returns outputs of requests that progressed."""
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, update.
+
+        Args:
+            final_only: return only the requests that finished in this step (``LLM.generate``
+                needs nothing else; building every running request's output each step copies
+                its token list, O(length) per token).
+        Returns:
+            Outputs of the requests that progressed (or finished, with ``final_only``).
+        """
         out = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if not out.scheduled:
@@ -272,7 +280,7 @@ class LLMEngine:
                 touched.setdefault(req.request_id, req)
         self.stats.last_batch_size = len(out.scheduled)
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(out.scheduled))
-        results = [self._make_output(r) for r in touched.values()]
+        results = [self._make_output(r) for r in touched.values() if r.finished or not final_only]
         for r in touched.values():
             if r.finished:
                 del self.requests[r.request_id]
@@ -295,8 +303,10 @@ class LLMEngine:
                 suppress: tuple[int, ...] = ()
                 if seq.num_output_tokens < req.params.min_tokens:
                     suppress = tuple(sorted(self.eos_token_ids | set(req.params.stop_token_ids)))
-                rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids,
-                                        req.generators[index], suppress))
+                # The output ids only matter to penalties: slicing them for every row would cost
+                # O(length) per token, O(length^2) per request.
+                outputs = seq.output_token_ids if has_penalties(req.params) else []
+                rows.append(SamplingRow(req.params, req.prompt_token_ids, outputs, req.generators[index], suppress))
                 targets.append((row_idx, seq, index))
         return rows, targets
 
@@ -333,7 +343,7 @@ class LLMEngine:
         else:
             visible = len(detok.text) - stop_holdback(detok.text, stops)
             out.text = detok.text[: max(visible, len(out.text))]
-        out.token_ids = seq.output_token_ids
+        out.token_ids.append(token)  # incremental: re-slicing the sequence would be O(length) per token
 
     def _make_output(self, req: Request) -> RequestOutput:
         outputs = [CompletionOutput(o.index, o.text, list(o.token_ids), o.finish_reason,

@@ -95,10 +95,10 @@ def block_table_tensor(tables: list[list[int]], num_rows: int, width: int, fill:
     """
     if len(tables) > num_rows:
         raise ValueError(f"{len(tables)} block tables do not fit in {num_rows} rows")
-    out = torch.full((num_rows, width), fill, dtype=torch.int32)
-    for row, table in enumerate(tables):
-        if len(table) > width:
-            raise ValueError(f"a block table of {len(table)} blocks does not fit in {width} columns")
-        if table:
-            out[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    return out
+    longest = max((len(t) for t in tables), default=0)
+    if longest > width:
+        raise ValueError(f"a block table of {longest} blocks does not fit in {width} columns")
+    # One tensor from padded Python lists: a tensor per row costs ~5 us each, 1 ms at 256 rows.
+    rows = [t + [fill] * (width - len(t)) for t in tables]
+    rows += [[fill] * width] * (num_rows - len(tables))
+    return torch.tensor(rows, dtype=torch.int32).reshape(num_rows, width)
