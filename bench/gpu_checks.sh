@@ -2,7 +2,7 @@
 # The GPU checks of issues 5/6 as one prepared script for a session with a device (H200 image:
 # torch, triton, transformers; no gradio/gguf; nothing downloadable). Results go under $OUT
 # (default bench/results/gpu/). Stages, each under the 600 s a device call allows:
-#   bash bench/gpu_checks.sh tests    # tests/gpu (engine + kernels), ~3 min
+#   bash bench/gpu_checks.sh tests    # tests/gpu (engine + kernels), ~3 min; runs them all (no -x)
 #   bash bench/gpu_checks.sh e2e      # Llama-2-7B shape, W4 + INT8 KV vs transformers fp16, ~8 min
 #   bash bench/gpu_checks.sh memory   # the memory table measured by the engine (24 engine starts)
 #   bash bench/gpu_checks.sh smollm2  # SmolLM2 AWQ + INT8 KV, GPU vs CPU: the second of two calls that
@@ -15,12 +15,12 @@ pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 case "${1:-tests}" in
   tests)
-    python -m pytest -q -x tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
+    python -m pytest -q -rA tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
   e2e)
     # transformers runs first (its 13.5 GB model is freed before the engine sizes its KV pool);
-    # 64 of the 256 requests time it (a rate), all 256 time lightinfer.
+    # 32 of the 256 requests (one static batch) time it (a rate), all 256 time lightinfer.
     python bench/e2e.py bench/configs/llama-2-7b --dummy-weights --quantization awq --kv-cache-dtype int8 \
-      --hf-num-prompts 64 --out-dir "$OUT" 2>&1 | tee "$OUT/e2e_llama-2-7b.log" | tail -20 ;;
+      --hf-num-prompts 32 --out-dir "$OUT" 2>&1 | tee "$OUT/e2e_llama-2-7b.log" | tail -20 ;;
   memory)
     python bench/memory_table.py --measure --out-dir "$OUT" 2>&1 | tee "$OUT/memory_table.log" | tail -20 ;;
   smollm2)

@@ -52,9 +52,17 @@ def test_gpu_matches_cpu_path(tiny, tiny_awq, kv: str, weights: str) -> None:
     model = str(tiny if weights == "fp16" else tiny_awq)
     cpu = LLM(model, device="cpu", dtype="float32", kv_cache_dtype=kv, num_kv_blocks=128)
     gpu = LLM(model, device="cuda", dtype="float16", kv_cache_dtype=kv, num_kv_blocks=128)
-    a = [o.outputs[0].token_ids for o in cpu.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    cpu_out = cpu.generate(PROMPTS, GREEDY, use_tqdm=False)
+    a = [o.outputs[0].token_ids for o in cpu_out]
     b = [o.outputs[0].token_ids for o in gpu.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    assert _agreement(a, b) >= 0.95
+    # A random-weight model has many near ties, and free-running greedy agreement ends at the
+    # first flip (an earlier H200 run: 91.6% for awq + int8). What the kernels must match is
+    # each step's choice: the GPU fed the CPU's tokens (teacher forcing) picks the CPU's next token.
+    forced = [gpu.llm_engine.prompt_logits(o.prompt_token_ids + t)[len(o.prompt_token_ids) - 1: -1].argmax(-1)
+              .tolist() for o, t in zip(cpu_out, a)]
+    forced_agree = _agreement(a, forced)
+    print(f"{weights}/{kv}: free-running {_agreement(a, b):.1%}, teacher-forced {forced_agree:.1%}")
+    assert forced_agree >= 0.97
 
 
 def test_preemption_on_gpu_loses_nothing(tiny) -> None:
