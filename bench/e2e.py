@@ -56,10 +56,10 @@ def _sync() -> None:
 
 
 def _peak_memory(device: torch.device) -> dict[str, int]:
-    """On CUDA the allocator's peak since the last reset (this run alone); on a CPU only the
+    """On CUDA the allocator's reserved peak since the last reset (this run alone); on a CPU only the
     process's peak RSS exists, which includes every run before it in this process."""
-    if device.type == "cuda":
-        return {"peak_memory_bytes": int(torch.cuda.max_memory_allocated(device))}
+    if device.type == "cuda":  # reserved: what the process held (lightinfer's includes its whole KV pool)
+        return {"peak_memory_bytes": int(torch.cuda.max_memory_reserved(device))}
     return {"process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
 
 

@@ -4,27 +4,30 @@
 # (default bench/results/gpu/). Stages, each under the 600 s a device call allows:
 #   bash bench/gpu_checks.sh tests    # tests/gpu (engine + kernels), ~3 min; runs them all (no -x)
 #   bash bench/gpu_checks.sh e2e      # Llama-2-7B shape, W4 + INT8 KV vs transformers fp16, ~8 min
-#   bash bench/gpu_checks.sh memory   # the memory table measured by the engine (24 engine starts)
+#   bash bench/gpu_checks.sh memory MODEL  # the memory table measured by the engine for one model
+#                                     # (llama-3-8b or llama-2-7b: 12 engine starts, ~5 min each)
 #   bash bench/gpu_checks.sh smollm2  # SmolLM2 AWQ + INT8 KV, GPU vs CPU: the second of two calls that
 #                                     # bring the model (see bench/gpu_assets.py), ~1 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results/gpu}"
+PY="${PYTHON:-python3}"  # the device image's interpreter with torch is python3
 mkdir -p "$OUT"
-pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 || true
+$PY -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 || true
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 case "${1:-tests}" in
   tests)
-    python -m pytest -q -rA tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
+    $PY -m pytest -q -rA tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
   e2e)
     # transformers runs first (its 13.5 GB model is freed before the engine sizes its KV pool);
     # 32 of the 256 requests (one static batch) time it (a rate), all 256 time lightinfer.
-    python bench/e2e.py bench/configs/llama-2-7b --dummy-weights --quantization awq --kv-cache-dtype int8 \
-      --hf-num-prompts 32 --out-dir "$OUT" 2>&1 | tee "$OUT/e2e_llama-2-7b.log" | tail -20 ;;
+    $PY bench/e2e.py bench/configs/llama-2-7b --dummy-weights --quantization awq --kv-cache-dtype int8 \
+      --dtype float16 --hf-num-prompts 32 --out-dir "$OUT" 2>&1 | tee "$OUT/e2e_llama-2-7b.log" | tail -20 ;;
   memory)
-    python bench/memory_table.py --measure --out-dir "$OUT" 2>&1 | tee "$OUT/memory_table.log" | tail -20 ;;
+    $PY bench/memory_table.py --measure --models "${2:-llama-3-8b}" --out-dir "$OUT" 2>&1 \
+      | tee "$OUT/memory_table_${2:-llama-3-8b}.log" | tail -20 ;;
   smollm2)
-    python bench/gpu_assets.py join && python -m pytest -q -s tests/gpu/test_engine_gpu.py -k smollm2 2>&1 \
+    $PY bench/gpu_assets.py join && $PY -m pytest -q -s tests/gpu/test_engine_gpu.py -k smollm2 2>&1 \
       | tee "$OUT/smollm2_gpu_vs_cpu.log" | tail -20 ;;
   *) echo "unknown stage $1 (tests | e2e | memory | smollm2)"; exit 2 ;;
 esac

@@ -11,7 +11,8 @@ Two modes, one table format (``bench/results/memory_table[_measured].json`` + PN
   torch's allocator are an assumed ``--non-torch-gib`` (0.5 GiB by default, a typical figure
   on a desktop card without a display attached). KV pool = budget - all of these.
 * ``--measure`` (a GPU): the engine itself starts with ``max_vram=<budget>`` and dummy weights;
-  the table records the KV pool it sized (so the figures include everything the engine counts).
+  the table records the KV pool it sized (so the figures include everything the engine counts),
+  then runs a few 2,048-token requests and records the GPU memory really used against the budget.
 
     python bench/memory_table.py [--measure] [--models llama-3-8b llama-2-7b]
 """
@@ -28,6 +29,8 @@ import torch
 CONFIGS = Path(__file__).resolve().parent / "configs"
 RESULTS = Path(__file__).resolve().parent / "results"
 BUDGETS_GIB = (8, 12, 16, 24)
+DEFAULT_MODELS = ["llama-3-8b", "llama-2-7b"]
+MAX_NUM_SEQS = 64  # the engine's default
 VARIANTS = {"W4 + INT8 KV": ("awq", "int8"), "W4 + fp16 KV": ("awq", "auto"), "fp16 + fp16 KV": (None, "auto")}
 SEQ_LEN = 2048
 # The engine's "does not fit" messages (engine/memory.py, ModelRunner): a 0 cell, not a failure.
@@ -91,7 +94,8 @@ def activation_bytes(hf_config: object, quantization: str | None, num_tokens: in
     the fused gate/up output ``[T, 2 x intermediate]`` and its activation ``[T, intermediate]``;
     with 4-bit weights, large batches (M > 64 rows) dequantize the layer's weight for cuBLAS one
     slab of rows at a time (``kernels/w4a16_gemm.py``: one slab buffer plus that slab's output);
-    plus the last token's fp32 logits and their softmax.
+    plus the logits of a full step's sampled rows (``max_num_seqs``: fp16 out of the head, fp32
+    copy, fp32 softmax), as the engine's profiling forward computes them.
     """
     from lightinfer.kernels.w4a16_gemm import dequant_slab_rows
 
@@ -101,10 +105,10 @@ def activation_bytes(hf_config: object, quantization: str | None, num_tokens: in
     if quantization == "awq":  # the largest slab: fused gate/up ([2i, h]) or down ([h, i])
         dequant = max(rows * k * 2 + num_tokens * rows * 2
                       for n, k in ((2 * i, h), (h, i)) for rows in [dequant_slab_rows(n, k, 2)])
-    return act + dequant + 2 * v * 4
+    return act + dequant + MAX_NUM_SEQS * v * (2 + 4 + 4)
 
 
-def graph_reserve_bytes(hf_config: object, max_num_seqs: int = 64) -> int:
+def graph_reserve_bytes(hf_config: object, max_num_seqs: int = MAX_NUM_SEQS) -> int:
     """CUDA graphs' pool: a decode forward's activations at ``max_num_seqs`` rows + 10% + 64 MiB."""
     h, i = hf_config.hidden_size, hf_config.intermediate_size
     return int(1.1 * max_num_seqs * (4 * h + 3 * i) * 2) + 64 * 2**20
@@ -132,6 +136,7 @@ def measured_row(model: str, variant: str, budget_gib: int) -> dict:
 
     quant, kv_dtype = VARIANTS[variant]
     row = {"model": model, "variant": variant, "budget_gib": budget_gib}
+    torch.cuda.reset_peak_memory_stats()
     try:
         llm = LLM(_model_path(model), load_format="dummy", quantization=quant, kv_cache_dtype=kv_dtype,
                   dtype="float16", max_model_len=SEQ_LEN, max_vram=f"{budget_gib}GiB", gpu_memory_utilization=1.0)
@@ -142,8 +147,18 @@ def measured_row(model: str, variant: str, budget_gib: int) -> dict:
         return {**row, "kv_pool_tokens": 0, "sequences_2048": 0, "error": str(e).splitlines()[0]}
     runner = llm.llm_engine.model_runner
     tokens = runner.num_blocks * runner.kv_spec.block_size
+    # The plan is a promise: run a full-budget prefill step and decodes, then check what the
+    # process really holds on the GPU (torch's reserved peak + memory outside torch) against it.
+    from lightinfer import SamplingParams
+
+    prompts = [[7] * (SEQ_LEN - 64)] * 4
+    llm.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True, temperature=1.0), use_tqdm=False)
+    free, total = torch.cuda.mem_get_info()
+    used = total - free  # everything this process (and any other) holds on the GPU now
+    peak = torch.cuda.max_memory_reserved() + (used - torch.cuda.memory_reserved())
     row.update(weights_gib=runner.weight_bytes / GIB, kv_bytes_per_token=runner.kv_spec.bytes_per_token,
-               kv_pool_tokens=int(tokens), sequences_2048=int(tokens // SEQ_LEN))
+               kv_pool_tokens=int(tokens), sequences_2048=int(tokens // SEQ_LEN), peak_used_gib=peak / GIB,
+               within_budget=bool(peak <= budget_gib * GIB))
     del llm, runner
     gc.collect()
     torch.cuda.empty_cache()
@@ -190,7 +205,7 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["llama-3-8b", "llama-2-7b"])
+    ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
     ap.add_argument("--measure", action="store_true", help="start the engine on the GPU for every cell")
     ap.add_argument("--non-torch-gib", type=float, default=0.5, help="computed mode: CUDA context etc.")
     ap.add_argument("--out-dir", default=str(RESULTS))
@@ -203,6 +218,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = [measured_row(m, v, b) if args.measure else computed_row(m, v, b, args.non_torch_gib)
             for m in args.models for v in VARIANTS for b in BUDGETS_GIB]
     name = "memory_table_measured" if args.measure else "memory_table"
+    if args.models != DEFAULT_MODELS:  # a partial table (e.g. one model per device call)
+        name += "_" + "_".join(args.models)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     mode = "measured: the engine on the GPU, max_vram=budget" if args.measure else (

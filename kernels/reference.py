@@ -405,8 +405,24 @@ def varlen_causal_attention(
     out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()
     for a, b in itertools.pairwise(bounds):
-        out[a:b] = _attend(q[a:b], k[a:b], v[a:b], scale, causal_offset=0)
+        if q.is_cuda:
+            out[a:b] = _attend_gpu(q[a:b], k[a:b], v[a:b], scale)
+        else:
+            out[a:b] = _attend(q[a:b], k[a:b], v[a:b], scale, causal_offset=0)
     return out
+
+
+def _attend_gpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one sequence on a GPU, in its own dtype with K/V heads expanded.
+
+    In fp32 with ``enable_gqa`` SDPA falls back to its math kernel and builds the whole
+    ``[H, L, L]`` score matrix (1 GiB at 2,048 tokens and 32 heads), which the engine's profiling
+    forward would then count as activation memory; fp16/bf16 without GQA take the flash kernel.
+    """
+    group = q.shape[1] // k.shape[1]
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k.repeat_interleave(group, 1),
+                                                           v.repeat_interleave(group, 1)))
+    return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)[0].transpose(0, 1)
 
 
 # ----------------------------------------------------------------------------- norm / rope / act

@@ -30,12 +30,16 @@ def parse_bytes(value: int | str | None) -> int | None:
 
 
 def resolve_device(device: str) -> torch.device:
-    """``"auto"`` -> cuda when available, else cpu; anything else is passed to ``torch.device``."""
+    """``"auto"`` -> cuda when available, else cpu; anything else is passed to ``torch.device``.
+    A CUDA device always gets its index (``cuda`` -> ``cuda:<current>``)."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA GPU; use device='cpu'")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but torch sees no CUDA GPU; use device='cpu'")
+        if dev.index is None:  # tensors report "cuda:0", and torch.device("cuda") != torch.device("cuda:0")
+            dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 

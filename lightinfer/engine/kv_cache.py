@@ -38,6 +38,13 @@ class KVCacheSpec:
     def blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
+    def allocate_layers(self, num_layers: int, num_blocks: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
+        """Every layer's cache tensors as contiguous views of one zero-filled tensor per kind
+        (``[num_layers, num_blocks, ...]``): one allocation each, whatever the layer count."""
+        whole = self.allocate(num_blocks * num_layers, device)
+        return [{name: t.view(num_layers, num_blocks, *t.shape[1:])[i] for name, t in whole.items()}
+                for i in range(num_layers)]
+
     def allocate(self, num_blocks: int, device: torch.device) -> dict[str, torch.Tensor]:
         """One layer's cache tensors (zero-filled)."""
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)

@@ -50,6 +50,8 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         if self.device.type == "cpu":
             tune_malloc_for_cpu_inference()  # before the large allocations; see cpu_malloc.py
+        else:  # Triton launches and graph capture use the current device, not the tensors'
+            torch.cuda.set_device(self.device)
         hf_config = checkpoint.hf_config
         model_cls = get_model_class(hf_config)
         if self.device.type == "cpu":
@@ -73,10 +75,11 @@ class ModelRunner:
         )
         # By storage: a tied LM head appears in the state dict under two names but is held once.
         storages = {t.data_ptr(): t for t in self.model.state_dict().values()}
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in storages.values() if t.device == self.device)
+        on_device = [t.device.type == self.device.type for t in storages.values()]
+        self.weight_bytes = sum(t.numel() * t.element_size() for t, d in zip(storages.values(), on_device) if d)
         # Weights kept in host memory while the model runs on a GPU (the input embedding).
-        self.host_weight_bytes = sum(t.numel() * t.element_size() for t in storages.values()
-                                     if t.device != self.device)
+        self.host_weight_bytes = sum(t.numel() * t.element_size() for t, d in zip(storages.values(), on_device)
+                                     if not d)
         if self.device.type == "cpu":
             self.model.pack_for_cpu()  # after weight_bytes: packed tensors are opaque, same size
         self.num_blocks = self._num_blocks()
@@ -133,7 +136,7 @@ class ModelRunner:
             # reuse it, so it is reserved on top of them. Its size is what the largest decode
             # batch's forward allocates; measured eagerly on that many tokens (plus a margin).
             largest = graph_batch_sizes(self._max_decode_batch())[-1]
-            graphs = graph_reserve_bytes(self._activation_peak(largest))
+            graphs = graph_reserve_bytes(self._activation_peak(largest)) + self._decode_split_bytes()
         # Measured after the forwards: the first matmul creates cuBLAS's workspace, the first
         # launch of each kernel loads its module; none of it goes through torch's allocator.
         # Other processes on the GPU count too (they take memory this engine cannot have).
@@ -191,8 +194,10 @@ class ModelRunner:
         return int(num_blocks)
 
     def _allocate_kv_cache(self) -> None:
-        for layer in self.attention_layers:
-            tensors = self.kv_spec.allocate(self.num_blocks, self.device)
+        # One tensor per kind for all layers, each layer a contiguous view: per-layer tensors would
+        # each be rounded up by the CUDA caching allocator (up to 2 MiB x 6 x layers, unplanned).
+        for layer, tensors in zip(self.attention_layers,
+                                  self.kv_spec.allocate_layers(len(self.attention_layers), self.num_blocks, self.device)):
             layer.k_cache, layer.v_cache = tensors["k_cache"], tensors["v_cache"]
             layer.k_scale, layer.k_zero = tensors.get("k_scale"), tensors.get("k_zero")
             layer.v_scale, layer.v_zero = tensors.get("v_scale"), tensors.get("v_zero")
@@ -214,6 +219,22 @@ class ModelRunner:
         if self.device.type != "cuda" or self.model.tie_word_embeddings:
             return False  # a tied table is the LM head's weight, which the GPU reads every step
         return self.config.embedding_on_host is not False
+
+    def _decode_split_bytes(self) -> int:
+        """The split decode kernel's fp32 partials at the captured batch sizes (the largest of
+        them: the graphs share one pool). Graphs pass block tables as wide as max_model_len, so
+        these buffers grow with it; an eager profiling forward has none of them."""
+        from lightinfer.kernels._common import next_pow2
+        from lightinfer.kernels.paged_attention import decode_partition_size
+
+        spec, heads = self.kv_spec, self.attention_layers[0].num_heads
+        max_ctx = spec.blocks_for(int(self.config.max_model_len)) * spec.block_size
+        worst = 0
+        for bs in graph_batch_sizes(self._max_decode_batch()):
+            splits = -(-max_ctx // decode_partition_size(bs, spec.num_kv_heads, max_ctx, self.device))
+            if splits > 1:  # [bs, heads, splits, BLOCK_D] accumulators + [.., 2] max/sum
+                worst = max(worst, bs * heads * splits * (max(16, next_pow2(spec.head_dim)) + 2) * 4)
+        return worst
 
     # ------------------------------------------------------------------ CUDA graphs
     def _uses_cuda_graphs(self) -> bool:
@@ -248,17 +269,20 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
     def profile_run(self, num_tokens: int | None = None) -> None:
-        """A forward over ``num_tokens`` tokens (default: ``max_num_batched_tokens``, capped at
-        ``max_model_len``) without a cache, as one sequence (peak-memory probe)."""
+        """Peak-memory probe: a forward over ``num_tokens`` tokens (default the step budget,
+        ``max_num_batched_tokens``) without a cache, cut into sequences of at most
+        ``max_model_len``, then logits and a softmax for as many rows as one step can sample."""
         cfg = self.config
-        n = num_tokens or min(cfg.max_num_batched_tokens, int(cfg.max_model_len))
+        n = num_tokens or cfg.max_num_batched_tokens
+        seq_len = min(n, int(cfg.max_model_len))
+        bounds = [*range(0, n, seq_len), n]
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        pos = torch.arange(n, device=self.device) % int(cfg.max_model_len)  # stay inside the rotary table
-        set_context(AttentionMetadata(cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+        pos = torch.arange(n, device=self.device) % seq_len
+        set_context(AttentionMetadata(cu_seqlens_q=torch.tensor(bounds, dtype=torch.int32, device=self.device),
                                       no_cache=True))
         try:
             hidden = self.model(ids, pos)
-            self.model.compute_logits(hidden[-1:])
+            torch.softmax(self.model.compute_logits(hidden[-min(n, cfg.max_num_seqs):]), dim=-1)
         finally:
             set_context(None)
 
@@ -284,8 +308,9 @@ class ModelRunner:
 
         Returns:
             fp32 logits ``[num_sampled, vocab]``: one row per scheduled sequence that completes
-            its prompt this step (in ``out.scheduled`` order); with ``all_logits`` one row per
-            computed token instead.
+            its prompt this step (in ``out.scheduled`` order), on the device; with ``all_logits``
+            one row per computed token instead, on the CPU (computed ``max_num_seqs`` rows at a
+            time: a whole chunk's logits, e.g. 2,048 x 128k x 4 bytes, are outside the memory plan).
         """
         self.copy_blocks(out.block_copies)
         step = build_step_inputs(out, all_logits, self.config.block_size)
@@ -300,6 +325,10 @@ class ModelRunner:
                     hidden = self.model(None, positions, embed.lookup(step.input_ids, self.device))
                 else:
                     hidden = self.model(input_ids, positions)
+            if all_logits:
+                rows = self.config.max_num_seqs
+                return torch.cat([self.model.compute_logits(hidden[logits_idx[i: i + rows]]).cpu()
+                                  for i in range(0, len(step.logits_idx), rows)])
             return self.model.compute_logits(hidden[logits_idx])
         finally:
             set_context(None)

@@ -80,7 +80,7 @@ def test_model_runner_cuda_budget_wiring(tmp_path, monkeypatch) -> None:
         mem["peak"] = mem["allocated"] + (GIB if num_tokens is None else 100 * MIB)
 
     fake = {
-        "get_device_properties": lambda dev: types.SimpleNamespace(total_memory=100 * GIB),
+        "get_device_properties": lambda dev: types.SimpleNamespace(total_memory=100 * GIB, multi_processor_count=132),
         "synchronize": lambda dev=None: None, "empty_cache": lambda: None,
         "reset_peak_memory_stats": lambda dev=None: None,
         "memory_allocated": lambda dev=None: mem["allocated"], "max_memory_allocated": lambda dev=None: mem["peak"],
@@ -93,7 +93,9 @@ def test_model_runner_cuda_budget_wiring(tmp_path, monkeypatch) -> None:
     kv_bytes, report = runner._kv_budget_bytes()
     assert profiled == [None, 32]  # the step budget, then the largest graph batch (20 -> 32)
     per_block = runner.kv_spec.bytes_per_block
-    fixed = 2 * GIB + GIB + graph_reserve_bytes(100 * MIB) + GIB // 2
+    split = runner._decode_split_bytes()  # the graphs' split-decode partials (max_model_len wide)
+    assert split > 0
+    fixed = 2 * GIB + GIB + graph_reserve_bytes(100 * MIB) + split + GIB // 2
     assert kv_bytes == (8 * GIB - fixed) // per_block * per_block
     assert report.startswith("GPU memory plan: budget 8.00 GiB (max_vram 8.00 GiB)")
     assert "non-torch        0.50 GiB" in report
@@ -106,3 +108,47 @@ def test_model_runner_cuda_budget_wiring(tmp_path, monkeypatch) -> None:
     with pytest.raises(ValueError, match="cannot fit"):
         runner._kv_budget_bytes()
     assert profiled == []  # the weights check comes before any profiling
+
+
+def test_kv_cache_is_one_allocation_per_kind() -> None:
+    import torch
+
+    from lightinfer.engine.kv_cache import KVCacheSpec
+
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=16, dtype=torch.int8)
+    layers = spec.allocate_layers(3, 5, torch.device("cpu"))
+    assert len(layers) == 3 and set(layers[0]) == {"k_cache", "v_cache", "k_scale", "k_zero", "v_scale", "v_zero"}
+    for name in layers[0]:
+        views = [t[name] for t in layers]
+        assert all(v.is_contiguous() and v.shape[0] == 5 for v in views)
+        assert len({v.untyped_storage().data_ptr() for v in views}) == 1  # one tensor underneath
+        assert len({v.data_ptr() for v in views}) == 3  # disjoint layer slices
+    layers[1]["k_cache"].fill_(7)
+    assert layers[0]["k_cache"].abs().sum() == 0 and layers[2]["k_cache"].abs().sum() == 0
+
+
+def test_profile_run_covers_the_step_budget_in_several_sequences(tmp_path) -> None:
+    """max_model_len below the step budget: the probe still runs max_num_batched_tokens tokens
+    (as several sequences, positions inside the rotary table) and the logits of a full step."""
+    from lightinfer import LLM
+    from lightinfer.layers.attention import get_context
+    from tests.conftest import write_tiny_checkpoint
+
+    llm = LLM(str(write_tiny_checkpoint(tmp_path / "m", "LlamaForCausalLM")), dtype="float32", num_kv_blocks=64,
+              max_model_len=100, max_num_batched_tokens=256, max_num_seqs=8)
+    runner = llm.llm_engine.model_runner
+    seen = {}
+    forward, logits = runner.model.forward, runner.model.compute_logits
+
+    def spy_forward(ids, pos, embeds=None):
+        seen["tokens"], seen["max_pos"] = ids.shape[0], int(pos.max())
+        seen["cu"] = get_context().cu_seqlens_q.tolist()
+        return forward(ids, pos, embeds)
+
+    def spy_logits(hidden):
+        seen["rows"] = hidden.shape[0]
+        return logits(hidden)
+
+    runner.model.forward, runner.model.compute_logits = spy_forward, spy_logits
+    runner.profile_run()
+    assert seen == {"tokens": 256, "max_pos": 99, "cu": [0, 100, 200, 256], "rows": 8}
