@@ -183,6 +183,8 @@ def bench_attention(quick: bool) -> list[dict[str, Any]]:
     from lightinfer.kernels.kv_store import store_kvcache
     from lightinfer.kernels.paged_attention import paged_attention_decode
 
+    from lightinfer.engine.kv_cache import KVCacheSpec
+
     h, hkv, d, bs = ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM, ATTN_BLOCK
     rows = []
     for b in ATTN_BATCHES:
@@ -195,14 +197,21 @@ def bench_attention(quick: bool) -> list[dict[str, Any]]:
             q = torch.randn(b, h, d, device="cuda", dtype=torch.float16)
             slots = (table.long().unsqueeze(-1) * bs + torch.arange(bs, device="cuda")).view(-1)
             row: dict[str, Any] = {"batch": b, "context": ctx}
-            for kind in ("fp16", "int8"):
-                dt = torch.int8 if kind == "int8" else torch.float16
+            # int8: the engine's layout (KVCacheSpec: head-major scale/zero); int8_token_major: the
+            # scale/zero tensors contiguous [blocks, block_size, heads] (the layout before), for comparison.
+            for kind in ("fp16", "int8", "int8_token_major"):
+                dt = torch.float16 if kind == "fp16" else torch.int8
                 kc = torch.empty(num_blocks, bs, hkv, d, device="cuda", dtype=dt)
                 vc = torch.empty_like(kc)
-                aux = [torch.empty(num_blocks, bs, hkv, device="cuda", dtype=torch.float16) for _ in range(4)] \
-                    if kind == "int8" else [None] * 4
+                if kind == "int8":
+                    cache = KVCacheSpec(1, hkv, d, bs, dt).allocate(num_blocks, torch.device("cuda"))
+                    aux = [cache[name] for name in ("k_scale", "k_zero", "v_scale", "v_zero")]
+                elif kind == "int8_token_major":
+                    aux = [torch.empty(num_blocks, bs, hkv, device="cuda", dtype=torch.float16) for _ in range(4)]
+                else:
+                    aux = [None] * 4
                 store_kvcache(k.view(-1, hkv, d), v.view(-1, hkv, d), kc, vc, slots, *aux)
-                nbytes = 2 * kc.numel() * kc.element_size() + (4 * aux[0].numel() * 2 if kind == "int8" else 0)
+                nbytes = 2 * kc.numel() * kc.element_size() + (4 * aux[0].numel() * 2 if kind != "fp16" else 0)
                 nc = copies_for(nbytes)
                 sets = [(kc, vc, aux)] + [(kc.clone(), vc.clone(), [a if a is None else a.clone() for a in aux])
                                           for _ in range(nc - 1)]
@@ -220,6 +229,7 @@ def bench_attention(quick: bool) -> list[dict[str, Any]]:
             rows.append(row)
             print(f"decode B={b:<3} ctx={ctx:<5} fp16 {row['fp16_us']:8.1f} us {row['fp16_GBps']:6.0f} GB/s  "
                   f"int8 {row['int8_us']:8.1f} us {row['int8_GBps']:6.0f} GB/s  "
+                  f"(token-major scales {row['int8_token_major_us']:8.1f} us)  "
                   f"SDPA {row['sdpa_us']:8.1f} us {row['sdpa_GBps']:6.0f} GB/s", flush=True)
             del k, v, kt, vt
             torch.cuda.empty_cache()

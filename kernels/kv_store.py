@@ -52,7 +52,7 @@ def _store_kv_kernel(
     num_kv_heads, head_dim, block_size,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_co, stride_ch,
-    stride_sb, stride_so,
+    stride_sb, stride_so, stride_sh,
     QUANT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -73,7 +73,7 @@ def _store_kv_kernel(
         qv, sv, zv = _quantize_rows(v.to(tl.float32), mask)
         tl.store(kc_ptr + dst, qk.to(tl.int8), mask=mask)
         tl.store(vc_ptr + dst, qv.to(tl.int8), mask=mask)
-        sdst = blk * stride_sb + off * stride_so + offs_h  # scale/zero tensors: [blocks, block_size, heads]
+        sdst = blk * stride_sb + off * stride_so + offs_h * stride_sh  # [blocks, block_size, heads], any strides
         hmask = offs_h < num_kv_heads
         tl.store(ks_ptr + sdst, sk.to(tl.float16), mask=hmask)
         tl.store(kz_ptr + sdst, zk.to(tl.float16), mask=hmask)
@@ -102,8 +102,9 @@ def store_kvcache(
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float or int8,
             same shape and strides, stride 1 along head_dim; written in place.
         slot_mapping: int32/int64 ``[num_tokens]``; -1 = padding, skipped.
-        k_scale, k_zero, v_scale, v_zero: float16 ``[num_blocks, block_size, num_kv_heads]``
-            contiguous; required for an int8 cache (written in place), ignored otherwise.
+        k_scale, k_zero, v_scale, v_zero: float16 ``[num_blocks, block_size, num_kv_heads]``,
+            any strides (the same for all four); required for an int8 cache (written in place),
+            ignored otherwise.
     Raises:
         ValueError: on bad shapes, dtypes, strides or devices.
     """
@@ -126,21 +127,22 @@ def store_kvcache(
     aux = (k_scale, k_zero, v_scale, v_zero)
     if quant:
         want = k_cache.shape[:3]
-        if any(t is None or t.shape != want or t.dtype != torch.float16 or not t.is_contiguous() for t in aux):
-            raise ValueError(f"store_kvcache: an int8 cache needs contiguous float16 k_scale, k_zero, v_scale, "
-                             f"v_zero of shape {tuple(want)}")
+        if any(t is None or t.shape != want or t.dtype != torch.float16 for t in aux) or \
+                len({t.stride() for t in aux}) != 1:
+            raise ValueError(f"store_kvcache: an int8 cache needs float16 k_scale, k_zero, v_scale, v_zero of shape "
+                             f"{tuple(want)}, all four with the same strides")
     elif k_cache.dtype not in FLOAT_DTYPES:
         raise ValueError(f"store_kvcache: cache dtype {k_cache.dtype} not in fp16/bf16/fp32/int8")
     check_device("store_kvcache", key, value, k_cache, v_cache, slot_mapping, *(aux if quant else ()))
     if num_tokens == 0:
         return
     ks, kz, vs, vz = aux if quant else (k_cache,) * 4  # unused pointers when not quantizing
-    sb, so = (k_scale.stride(0), k_scale.stride(1)) if quant else (0, 0)
+    sb, so, sh = k_scale.stride() if quant else (0, 0, 0)
     _store_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping, ks, kz, vs, vz,
         num_kv_heads, head_dim, k_cache.shape[1],
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sb, so,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sb, so, sh,
         QUANT=quant, BLOCK_H=next_pow2(num_kv_heads), BLOCK_D=next_pow2(head_dim), num_warps=NUM_WARPS,
     )
 
@@ -149,7 +151,7 @@ def launch_specs() -> list[LaunchSpec]:
     """Kernel variants for the smem check: fp16 and int8 caches at common head counts/sizes."""
     specs = []
     ints = ["num_kv_heads", "head_dim", "block_size", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
-            "stride_cb", "stride_co", "stride_ch", "stride_sb", "stride_so"]
+            "stride_cb", "stride_co", "stride_ch", "stride_sb", "stride_so", "stride_sh"]
     for cache_dt in (torch.float16, torch.int8):
         c = "*" + TRITON_DTYPE[cache_dt]
         for h in NUM_KV_HEADS:

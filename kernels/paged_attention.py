@@ -70,7 +70,7 @@ def _int8_to_f16(x):
 @triton.jit
 def _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_row_ptr,
                  tok, t_mask, allowed, offs_d, d_mask, kvh, block_size,
-                 stride_cb, stride_co, stride_ch, stride_sb, stride_so, qk_scale, QUANT: tl.constexpr):
+                 stride_cb, stride_co, stride_ch, stride_sb, stride_so, stride_sh, qk_scale, QUANT: tl.constexpr):
     """One online-softmax step over keys ``tok`` [BLOCK_N]; ``allowed`` [ROWS, BLOCK_N] masks scores."""
     page = tok // block_size
     phys = tl.load(bt_row_ptr + page, mask=t_mask, other=0).to(tl.int64)
@@ -84,7 +84,7 @@ def _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr,
         v = _int8_to_f16(v)
     s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [ROWS, BLOCK_N] fp32
     if QUANT:
-        srow = phys * stride_sb + in_blk * stride_so + kvh
+        srow = phys * stride_sb + in_blk * stride_so + kvh * stride_sh
         ks = tl.load(ks_ptr + srow, mask=t_mask, other=0.0).to(tl.float32)
         kz = tl.load(kz_ptr + srow, mask=t_mask, other=0.0).to(tl.float32)
         s = s * ks[None, :] + qsum[:, None] * kz[None, :]
@@ -109,7 +109,7 @@ def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     qk_scale, head_dim, block_size, partition_size, max_splits,
     stride_qs, stride_qh, stride_os, stride_oh, stride_bts,
-    stride_cb, stride_co, stride_ch, stride_sb, stride_so,
+    stride_cb, stride_co, stride_ch, stride_sb, stride_so, stride_sh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     QUANT: tl.constexpr, SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
@@ -141,7 +141,7 @@ def _decode_kernel(
         allowed = (offs_g[:, None] >= 0) & t_mask[None, :]
         acc, m_i, l_i = _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
                                      bt_row_ptr, tok, t_mask, allowed, offs_d, d_mask, kvh, block_size,
-                                     stride_cb, stride_co, stride_ch, stride_sb, stride_so, qk_scale, QUANT)
+                                     stride_cb, stride_co, stride_ch, stride_sb, stride_so, stride_sh, qk_scale, QUANT)
     if SPLIT:
         # partials: acc [num_seqs, num_heads, max_splits, BLOCK_D], (m, l) [num_seqs, num_heads, max_splits, 2]
         base = (seq * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * max_splits + part
@@ -182,7 +182,7 @@ def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, cu_ptr, ctx_ptr, bt_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, out_ptr,
     qk_scale, head_dim, block_size,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bts,
-    stride_cb, stride_co, stride_ch, stride_sb, stride_so,
+    stride_cb, stride_co, stride_ch, stride_sb, stride_so, stride_sh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     QUANT: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
@@ -218,7 +218,7 @@ def _prefill_kernel(
         allowed = (tok[None, :] <= pos[:, None]) & t_mask[None, :]
         acc, m_i, l_i = _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
                                      bt_row_ptr, tok, t_mask, allowed, offs_d, d_mask, kvh, block_size,
-                                     stride_cb, stride_co, stride_ch, stride_sb, stride_so, qk_scale, QUANT)
+                                     stride_cb, stride_co, stride_ch, stride_sb, stride_so, stride_sh, qk_scale, QUANT)
     out = acc / l_i[:, None]
     tl.store(out_ptr + tok_q[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -247,9 +247,10 @@ def _check_cache(name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     quant = k_cache.dtype == torch.int8
     if quant:
         want = k_cache.shape[:3]
-        if any(t is None or t.shape != want or t.dtype != torch.float16 or not t.is_contiguous() for t in aux):
-            raise ValueError(f"{name}: an int8 cache needs contiguous float16 k_scale, k_zero, v_scale, v_zero "
-                             f"of shape {tuple(want)}")
+        if any(t is None or t.shape != want or t.dtype != torch.float16 for t in aux) or \
+                len({t.stride() for t in aux}) != 1:
+            raise ValueError(f"{name}: an int8 cache needs float16 k_scale, k_zero, v_scale, v_zero of shape "
+                             f"{tuple(want)}, all four with the same strides")
     elif k_cache.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name}: cache dtype {k_cache.dtype} not in fp16/bf16/fp32/int8")
     check_device(name, q, k_cache, v_cache, block_tables, *(aux if quant else ()))
@@ -297,13 +298,13 @@ def paged_attention_decode_impl(
     else:
         part_acc = part_ml = out  # unused
     ks, kz, vs, vz = aux if quant else (k_cache,) * 4
-    sb, so = (k_scale.stride(0), k_scale.stride(1)) if quant else (0, 0)
+    sb, so, sh = k_scale.stride() if quant else (0, 0, 0)
     log2e = 1.4426950408889634
     _decode_kernel[(num_seqs, k_cache.shape[2], num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, ks, kz, vs, vz, out, part_acc, part_ml,
         scale * log2e, head_dim, block_size, part, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sb, so,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sb, so, sh,
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         QUANT=quant, SPLIT=split, UPCAST_DOT=upcast_dot(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -335,7 +336,8 @@ def paged_attention_decode(
         block_tables: int32 ``[num_seqs, max_num_blocks]`` (unused entries -1).
         context_lens: int32 ``[num_seqs]`` tokens in the cache (>= 1), the new one included.
         scale: softmax scale (usually ``head_dim ** -0.5``).
-        k_scale, k_zero, v_scale, v_zero: float16 ``[num_blocks, block_size, num_kv_heads]`` for int8.
+        k_scale, k_zero, v_scale, v_zero: float16 ``[num_blocks, block_size, num_kv_heads]`` for int8,
+            any strides shared by the four (the engine's are head-major: see ``KVCacheSpec``).
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``.
     Raises:
@@ -384,13 +386,13 @@ def paged_attention_prefill(
         return out
     cfg = _config(PREFILL_CONFIGS, head_dim)
     ks, kz, vs, vz = aux if quant else (k_cache,) * 4
-    sb, so = (k_scale.stride(0), k_scale.stride(1)) if quant else (0, 0)
+    sb, so, sh = k_scale.stride() if quant else (0, 0, 0)
     grid = (num_seqs, triton.cdiv(num_tokens, PREFILL_BLOCK_M), num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, ks, kz, vs, vz, out,
         scale * 1.4426950408889634, head_dim, k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sb, so,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sb, so, sh,
         GROUP=group, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_D=max(16, next_pow2(head_dim)),
         QUANT=quant, UPCAST_DOT=upcast_dot(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -403,7 +405,7 @@ def paged_attention_prefill(
 def launch_specs() -> list[LaunchSpec]:
     """Kernel variants for the smem check: fp16 queries, fp16 and int8 caches, head sizes, GQA groups."""
     specs: list[LaunchSpec] = []
-    cache_ints = ["stride_cb", "stride_co", "stride_ch", "stride_sb", "stride_so"]
+    cache_ints = ["stride_cb", "stride_co", "stride_ch", "stride_sb", "stride_so", "stride_sh"]
     for cache_dt in (torch.float16, torch.int8):
         c = "*" + TRITON_DTYPE[cache_dt]
         ptrs = {"kc_ptr": c, "vc_ptr": c, "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "*fp16", "vz_ptr": "*fp16"}

@@ -81,3 +81,17 @@ def test_validation_errors(case: str) -> None:
         kc, vc = kc.to(torch.int16), vc.to(torch.int16)
     with pytest.raises(ValueError):
         store_kvcache(key, value, kc, vc, slots, *aux)
+
+
+def test_head_major_scales_store_identically() -> None:
+    """The engine's GPU layout of the scale/zero tensors (head-major strides): same values written."""
+    gen = torch.Generator().manual_seed(9)
+    key = torch.randn(5, 4, 32, generator=gen).half()
+    value = torch.randn(5, 4, 32, generator=gen).half()
+    slots = torch.tensor([0, 17, -1, 40, 63])
+    kc, vc, aux = _run(store_kvcache, key, value, torch.int8, 4, 16, slots)
+    kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
+    hm = [torch.zeros(4, 4, 16, dtype=torch.float16).transpose(1, 2) for _ in range(4)]
+    store_kvcache(key, value, kc2, vc2, slots, *hm)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert all(torch.equal(a, b) for a, b in zip(aux, hm))

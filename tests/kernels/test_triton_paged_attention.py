@@ -120,3 +120,27 @@ def test_validation_errors(case: str) -> None:
         kc, vc = kc.to(torch.int16), vc.to(torch.int16)
     with pytest.raises(ValueError):
         paged_attention_decode(q, kc, vc, table, lens, 0.25, *aux)
+
+
+def _head_major(t: torch.Tensor) -> torch.Tensor:
+    """The same values with the engine's GPU layout: [blocks, block_size, heads], head-major strides."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def test_head_major_scales_give_identical_results() -> None:
+    """The kernels read the INT8 scale/zero tensors through their strides: the head-major layout
+    the engine allocates on GPUs gives bit-identical decode (one and split partitions) and prefill."""
+    kc, vc, table, lens, aux = _cache([1, 17, 130], 2, 32, 16, torch.int8, torch.float16, seed=5)
+    hm = [_head_major(t) for t in aux]
+    assert hm[0].stride() == (32, 1, 16) and not hm[0].is_contiguous()
+    q = torch.randn(3, 8, 32).half()
+    for kwargs in ({}, {"partition_size": 64}):
+        a = paged_attention_decode_impl(q, kc, vc, table, lens, 0.2, *aux, **kwargs)
+        b = paged_attention_decode_impl(q, kc, vc, table, lens, 0.2, *hm, **kwargs)
+        assert torch.equal(a, b)
+    cu = torch.tensor([0, 1, 9, 30], dtype=torch.int32)
+    qp = torch.randn(30, 8, 32).half()
+    assert torch.equal(paged_attention_prefill(qp, kc, vc, cu, lens, table, 0.2, *aux),
+                       paged_attention_prefill(qp, kc, vc, cu, lens, table, 0.2, *hm))
+    with pytest.raises(ValueError, match="same strides"):
+        paged_attention_decode(q, kc, vc, table, lens, 0.2, hm[0], *aux[1:])
