@@ -66,14 +66,13 @@ def weight_bytes(hf_config: object, quantization: str | None, dtype: torch.dtype
     from lightinfer.models.registry import get_model_class
 
     from lightinfer.dummy_weights import dummy_awq_config
+    from lightinfer.engine.memory import module_bytes
 
     qc = dummy_awq_config(hf_config) if quantization == "awq" else None
     with torch.device("meta"):
         model = get_model_class(hf_config)(hf_config, qc, dtype)
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}  # tied / shared tensors once
-    if embedding_on_host and not model.tie_word_embeddings:
-        tensors.pop(id(model.embed_tokens.weight))
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    host = (model.embed_tokens.weight,) if embedding_on_host and not model.tie_word_embeddings else ()
+    return module_bytes(model, exclude=host)
 
 
 def kv_bytes_per_token(hf_config: object, kv_cache_dtype: str, block_size: int = 16) -> int:

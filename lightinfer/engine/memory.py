@@ -9,6 +9,11 @@ without a GPU::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
 GIB = 2**30
 MIB = 2**20
 # The decode graphs' pool holds the activations of the largest captured batch. It is measured
@@ -138,3 +143,13 @@ def check_host_memory(parts: dict[str, int], available: int | None) -> None:
         f"available. Run it on a GPU (device='cuda'), or use a smaller model; the configs in bench/configs/ are "
         f"meant for GPU benchmarks."
     )
+
+
+def module_bytes(module: nn.Module, exclude: tuple[object, ...] = ()) -> int:
+    """Bytes of ``module``'s parameters and buffers (non-persistent ones too), each tensor once
+    (a tied head counts once); ``exclude``: tensors to leave out. Works on a meta-device model,
+    where nothing is allocated (tensors are told apart by identity, not by address)."""
+    tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}
+    for t in exclude:
+        tensors.pop(id(t), None)
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -16,11 +16,13 @@ from lightinfer.engine.memory import (
     check_host_memory,
     check_weights_fit,
     graph_reserve_bytes,
+    module_bytes,
     plan_kv_pool,
 )
 from lightinfer.engine.scheduler import SchedulerOutput
 from lightinfer.engine.step_inputs import StepInputs, block_table_tensor, build_step_inputs
 from lightinfer.layers.attention import Attention, AttentionMetadata, set_context
+from lightinfer.layers.embed_head import VocabEmbedding
 from lightinfer.layers.linear import W4A16Linear
 from lightinfer.loader import Checkpoint, load_weights
 from lightinfer.models.registry import get_model_class
@@ -64,8 +66,11 @@ class ModelRunner:
             load_weights(self.model, checkpoint)
         self.model.fuse_projections()  # q/k/v and gate/up as single GEMMs
         self.model.eval()
+        # The input embedding when it lives in host memory on a GPU engine (rows gathered there).
+        self.host_embedding: VocabEmbedding | None = None
         if self._embedding_on_host():
             self.model.embed_tokens.offload_to_host()  # freed on the GPU before the budget is measured
+            self.host_embedding = self.model.embed_tokens
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         first = self.attention_layers[0]
         kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.int8
@@ -92,8 +97,7 @@ class ModelRunner:
         """Host bytes a CPU engine will hold, by part, from the model built on the meta device."""
         with torch.device("meta"):
             skeleton = model_cls(checkpoint.hf_config, checkpoint.quant_config, self.dtype)
-        tensors = {id(t): t for t in [*skeleton.parameters(), *skeleton.buffers()]}
-        weights = sum(t.numel() * t.element_size() for t in tensors.values())
+        weights = module_bytes(skeleton)
         elem = torch.empty(0, dtype=self.dtype).element_size()
         # On a CPU every 4-bit layer also keeps its weight dequantized once (W4A16Linear.pack_for_cpu).
         dense = sum(m.in_features * m.out_features * elem for m in skeleton.modules() if isinstance(m, W4A16Linear))
@@ -262,8 +266,7 @@ class ModelRunner:
         return DecodeGraphRunner(
             self.model, self._max_decode_batch(), self.kv_spec.blocks_for(int(self.config.max_model_len)),
             self.model.config.hidden_size, self.dtype, self.device, use_cuda_graphs,
-            host_embedding=self.model.embed_tokens if self.model.embed_tokens.on_host and self.device.type != "cpu"
-            else None,
+            host_embedding=self.host_embedding,
         )
 
     # ------------------------------------------------------------------ forward
@@ -320,9 +323,8 @@ class ModelRunner:
                 hidden = self.graph_runner.run(step)
             else:
                 input_ids, positions = self._upload(step)
-                embed = self.model.embed_tokens
-                if embed.on_host and self.device.type != "cpu":  # gather on the host from the step's ids
-                    hidden = self.model(None, positions, embed.lookup(step.input_ids, self.device))
+                if self.host_embedding is not None:  # gather on the host from the step's ids
+                    hidden = self.model(None, positions, self.host_embedding.lookup(step.input_ids, self.device))
                 else:
                     hidden = self.model(input_ids, positions)
             if all_logits:
