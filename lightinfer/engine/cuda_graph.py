@@ -135,9 +135,10 @@ class DecodeGraphRunner:
         bs = self.padded_batch_size(n)
         assert bs is not None
         pad = bs - n
-        self.input_ids[:bs].copy_(torch.tensor(step.input_ids + [0] * pad, dtype=torch.long))
+        ids = step.input_ids + [0] * pad
+        self.input_ids[:bs].copy_(torch.tensor(ids, dtype=torch.long))
         if self.host_embedding is not None:
-            self.inputs_embeds[:bs].copy_(self.host_embedding.lookup(step.input_ids + [0] * pad, self.device))
+            self.inputs_embeds[:bs].copy_(self.host_embedding.lookup(ids, self.device))
         self.positions[:bs].copy_(torch.tensor(step.positions + [0] * pad, dtype=torch.long))
         self.slot_mapping[:bs].copy_(torch.tensor(step.slot_mapping + [-1] * pad, dtype=torch.long))
         self.context_lens[:bs].copy_(torch.tensor(step.context_lens + [1] * pad, dtype=torch.int32))

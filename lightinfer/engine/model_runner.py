@@ -289,9 +289,9 @@ class ModelRunner:
         finally:
             set_context(None)
 
-    def _upload(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Set the attention context of ``step`` for an eager forward; returns its
-        ``(input_ids, positions)`` int64 ``[num_tokens]`` on the device."""
+    def _upload(self, step: StepInputs) -> torch.Tensor:
+        """Set the attention context of ``step`` for an eager forward; returns its positions,
+        int64 ``[num_tokens]`` on the device."""
         dev = self.device
         tables = block_table_tensor(step.block_tables, len(step.block_tables), step.max_num_blocks, fill=-1)
         set_context(AttentionMetadata(
@@ -301,8 +301,7 @@ class ModelRunner:
             block_tables=tables.to(dev),
             cu_seqlens_q=torch.tensor(step.cu_seqlens_q, dtype=torch.int32, device=dev),
         ))
-        return (torch.tensor(step.input_ids, dtype=torch.long, device=dev),
-                torch.tensor(step.positions, dtype=torch.long, device=dev))
+        return torch.tensor(step.positions, dtype=torch.long, device=dev)
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput, all_logits: bool = False) -> torch.Tensor:
@@ -322,11 +321,11 @@ class ModelRunner:
             if self.graph_runner is not None and not all_logits and self.graph_runner.can_run(step):
                 hidden = self.graph_runner.run(step)
             else:
-                input_ids, positions = self._upload(step)
+                positions = self._upload(step)
                 if self.host_embedding is not None:  # gather on the host from the step's ids
                     hidden = self.model(None, positions, self.host_embedding.lookup(step.input_ids, self.device))
                 else:
-                    hidden = self.model(input_ids, positions)
+                    hidden = self.model(torch.tensor(step.input_ids, dtype=torch.long, device=self.device), positions)
             if all_logits:
                 rows = self.config.max_num_seqs
                 return torch.cat([self.model.compute_logits(hidden[logits_idx[i: i + rows]]).cpu()
