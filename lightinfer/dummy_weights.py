@@ -31,9 +31,9 @@ def dummy_awq_config(hf_config: object) -> dict:
     Raises:
         ValueError: no such group size (tiny or unusual shapes).
     """
-    from lightinfer.models.llama import head_dim_of
+    from lightinfer.models.llama import linear_input_sizes
 
-    sizes = (hf_config.hidden_size, hf_config.intermediate_size, hf_config.num_attention_heads * head_dim_of(hf_config))
+    sizes = tuple(linear_input_sizes(hf_config).values())
     for g in AWQ_GROUP_SIZES:
         if all(s % g == 0 for s in sizes):
             return {"quant_method": "awq", "bits": 4, "group_size": g, "version": "gemm", "zero_point": True,

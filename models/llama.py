@@ -23,6 +23,14 @@ def head_dim_of(hf_config: object) -> int:
     return int(head_dim) if head_dim else hf_config.hidden_size // hf_config.num_attention_heads
 
 
+def linear_input_sizes(hf_config: object) -> dict[str, int]:
+    """The input sizes of the decoder's linear layers, by config field (what a group size must
+    divide): q/k/v and gate/up read ``hidden_size``, o reads heads x head_dim, down reads
+    ``intermediate_size``."""
+    return {"hidden_size": hf_config.hidden_size, "intermediate_size": hf_config.intermediate_size,
+            "num_attention_heads * head_dim": hf_config.num_attention_heads * head_dim_of(hf_config)}
+
+
 def rotary_embedding_of(hf_config: object) -> RotaryEmbedding:
     """The model's rotary table (fp32 cos/sin ``[max_position_embeddings, head_dim // 2]``)."""
     theta, scaling = rope_parameters(hf_config)

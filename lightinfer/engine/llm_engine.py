@@ -84,12 +84,9 @@ def check_quant_config(qc: dict | None, hf_config: object) -> None:
                 f"{', '.join(f'{k}={v!r}' for k, v in SUPPORTED_AWQ.items())} (AutoAWQ 'gemm' format)"
             )
     group = qc.get("group_size")
-    from lightinfer.models.llama import head_dim_of
+    from lightinfer.models.llama import linear_input_sizes
 
-    head_dim = head_dim_of(hf_config)
-    in_features = {"hidden_size": hf_config.hidden_size, "intermediate_size": hf_config.intermediate_size,
-                   "num_attention_heads * head_dim": hf_config.num_attention_heads * head_dim}
-    bad = {k: v for k, v in in_features.items() if not isinstance(group, int) or group <= 0 or v % group}
+    bad = {k: v for k, v in linear_input_sizes(hf_config).items() if not isinstance(group, int) or group <= 0 or v % group}
     if bad:
         raise ValueError(f"quantization_config.group_size={group!r} must be a positive divisor of every quantized "
                          f"layer's input size; it does not divide {', '.join(f'{k}={v}' for k, v in bad.items())}")
