@@ -177,6 +177,40 @@ def bench_split_sweep(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def bench_gemv_tile_sweep(quick: bool) -> list[dict[str, Any]]:
+    """µs of the GEMV at M=1, 2 for each ``block_n`` (rows per program; auto split-K): data for
+    ``w4a16_gemm.GEMV_CONFIGS``. Larger tiles spend fewer instructions per weight
+    (``python -m lightinfer.kernels.sass_stats``) but use more registers and start fewer programs."""
+    import dataclasses
+
+    from lightinfer.kernels import w4a16_gemm as wg
+
+    saved = list(wg.GEMV_CONFIGS)
+    base = wg.gemv_config(GROUP_SIZE)
+    rows = []
+    try:
+        for name in ("llama2-7b/qkv", "llama2-7b/o", "llama3-8b/gate_up", "llama3-8b/down"):
+            k, n = LINEAR_SHAPES[name]
+            qweight = torch.randint(-2**31, 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int32)
+            scales = torch.rand(k // GROUP_SIZE, n, device="cuda").half() * 0.01
+            zeros = torch.full((k // GROUP_SIZE, n), 8.0, device="cuda").half()
+            nw = copies_for(n * k // 2)
+            sets = [(qweight.clone(), scales.clone(), zeros.clone()) for _ in range(nw)]
+            for m in (1, 2):
+                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                row: dict[str, Any] = {"shape": name, "M": m, "configured_block_n": base.block_n}
+                for block_n in (32, 64, 128, 256):
+                    wg.GEMV_CONFIGS[:] = [dataclasses.replace(c, block_n=block_n) if c.group_size == GROUP_SIZE else c
+                                          for c in saved]
+                    row[f"block_n{block_n}_us"] = bench_us(
+                        lambda x=x, ws=sets: [wg.w4a16_gemm_path(x, *w, path="gemv") for w in ws], quick, nw)
+                rows.append(row)
+                print("gemv tile sweep", row, flush=True)
+    finally:
+        wg.GEMV_CONFIGS[:] = saved
+    return rows
+
+
 def bench_attention(quick: bool) -> list[dict[str, Any]]:
     """Paged decode (fp16 and int8 caches) vs SDPA on contiguous fp16 K/V, one layer."""
     import torch.nn.functional as F
@@ -274,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--oracle-dir", type=Path, default=ROOT / ".oracle", help="unpacked autoawq 0.2.9 (optional)")
     p.add_argument("--quick", action="store_true", help="shorter timing loops")
     p.add_argument("--m", type=int, nargs="*", default=M_VALUES, help="GEMM M values")
-    p.add_argument("--skip", nargs="*", default=[], choices=["split_sweep", "gemm", "attn"], help="sections to skip")
+    p.add_argument("--skip", nargs="*", default=[], choices=["split_sweep", "gemv_tile_sweep", "gemm", "attn"], help="sections to skip")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU: torch.cuda.is_available() is False. Nothing measured.",
@@ -294,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     result["copy"] = copy_bandwidth(args.quick)
     print(f"copy bandwidth: {result['copy']['GBps']:.0f} GB/s (read + write)", flush=True)
     sections = {"split_sweep": lambda: bench_split_sweep(args.quick),
+                "gemv_tile_sweep": lambda: bench_gemv_tile_sweep(args.quick),
                 "gemm": lambda: bench_gemm(args.quick, args.oracle_dir, args.m),
                 "attn": lambda: bench_attention(args.quick)}
     for name, fn in sections.items():

@@ -63,18 +63,19 @@ def _int8_to_f16(x):
 
     ``0x6400 + (x + 128)`` read as fp16 is ``1024 + x + 128`` (spacing 1 in [1024, 2048)).
     """
-    bits = (x.to(tl.int32) + 0x6480).to(tl.int16)
+    bits = x.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x6480  # byte b: 0x6400 | (b ^ 0x80) = 0x6480 + x
     return bits.to(tl.float16, bitcast=True) - 1152.0
 
 
 @triton.jit
 def _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_row_ptr,
-                 tok, t_mask, allowed, offs_d, d_mask, kvh, block_size,
-                 stride_cb, stride_co, stride_ch, stride_sb, stride_so, stride_sh, qk_scale, QUANT: tl.constexpr):
+                 tok, t_mask, allowed, offs_d, d_mask, kvh,
+                 stride_cb, stride_co, stride_ch, stride_sb, stride_so, stride_sh, qk_scale, QUANT: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr):
     """One online-softmax step over keys ``tok`` [BLOCK_N]; ``allowed`` [ROWS, BLOCK_N] masks scores."""
-    page = tok // block_size
+    page = tok // BLOCK_SIZE  # a constexpr: shifts, where a run-time divisor costs ~20 instructions per token
     phys = tl.load(bt_row_ptr + page, mask=t_mask, other=0).to(tl.int64)
-    in_blk = tok % block_size
+    in_blk = tok % BLOCK_SIZE
     row = phys * stride_cb + in_blk * stride_co + kvh * stride_ch  # [BLOCK_N]
     kv_mask = t_mask[:, None] & d_mask[None, :]
     k = tl.load(kc_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0)
@@ -107,11 +108,11 @@ def _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr,
 @triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-    qk_scale, head_dim, block_size, partition_size, max_splits,
+    qk_scale, head_dim, partition_size, max_splits,
     stride_qs, stride_qh, stride_os, stride_oh, stride_bts,
     stride_cb, stride_co, stride_ch, stride_sb, stride_so, stride_sh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    QUANT: tl.constexpr, SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    QUANT: tl.constexpr, SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -140,8 +141,9 @@ def _decode_kernel(
         t_mask = tok < end
         allowed = (offs_g[:, None] >= 0) & t_mask[None, :]
         acc, m_i, l_i = _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
-                                     bt_row_ptr, tok, t_mask, allowed, offs_d, d_mask, kvh, block_size,
-                                     stride_cb, stride_co, stride_ch, stride_sb, stride_so, stride_sh, qk_scale, QUANT)
+                                     bt_row_ptr, tok, t_mask, allowed, offs_d, d_mask, kvh,
+                                     stride_cb, stride_co, stride_ch, stride_sb, stride_so, stride_sh, qk_scale, QUANT,
+                                     BLOCK_SIZE)
     if SPLIT:
         # partials: acc [num_seqs, num_heads, max_splits, BLOCK_D], (m, l) [num_seqs, num_heads, max_splits, 2]
         base = (seq * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * max_splits + part
@@ -180,11 +182,11 @@ def _decode_reduce_kernel(
 @triton.jit
 def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, cu_ptr, ctx_ptr, bt_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, out_ptr,
-    qk_scale, head_dim, block_size,
+    qk_scale, head_dim,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bts,
     stride_cb, stride_co, stride_ch, stride_sb, stride_so, stride_sh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    QUANT: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    QUANT: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     qb = tl.program_id(1)
@@ -217,8 +219,9 @@ def _prefill_kernel(
         t_mask = tok < ctx
         allowed = (tok[None, :] <= pos[:, None]) & t_mask[None, :]
         acc, m_i, l_i = _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
-                                     bt_row_ptr, tok, t_mask, allowed, offs_d, d_mask, kvh, block_size,
-                                     stride_cb, stride_co, stride_ch, stride_sb, stride_so, stride_sh, qk_scale, QUANT)
+                                     bt_row_ptr, tok, t_mask, allowed, offs_d, d_mask, kvh,
+                                     stride_cb, stride_co, stride_ch, stride_sb, stride_so, stride_sh, qk_scale, QUANT,
+                                     BLOCK_SIZE)
     out = acc / l_i[:, None]
     tl.store(out_ptr + tok_q[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -302,11 +305,12 @@ def paged_attention_decode_impl(
     log2e = 1.4426950408889634
     _decode_kernel[(num_seqs, k_cache.shape[2], num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, ks, kz, vs, vz, out, part_acc, part_ml,
-        scale * log2e, head_dim, block_size, part, num_splits,
+        scale * log2e, head_dim, part, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sb, so, sh,
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        QUANT=quant, SPLIT=split, UPCAST_DOT=upcast_dot(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        QUANT=quant, SPLIT=split, UPCAST_DOT=upcast_dot(q.dtype), BLOCK_SIZE=block_size, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -390,11 +394,12 @@ def paged_attention_prefill(
     grid = (num_seqs, triton.cdiv(num_tokens, PREFILL_BLOCK_M), num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, ks, kz, vs, vz, out,
-        scale * 1.4426950408889634, head_dim, k_cache.shape[1],
+        scale * 1.4426950408889634, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sb, so, sh,
         GROUP=group, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_D=max(16, next_pow2(head_dim)),
-        QUANT=quant, UPCAST_DOT=upcast_dot(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        QUANT=quant, UPCAST_DOT=upcast_dot(q.dtype), BLOCK_SIZE=k_cache.shape[1], num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out
 
@@ -414,20 +419,20 @@ def launch_specs() -> list[LaunchSpec]:
             for group in GQA_GROUPS:
                 for split in (False, True):
                     ce = {"GROUP": group, "BLOCK_G": max(16, next_pow2(group)), "BLOCK_N": dc.block_n, "BLOCK_D": d,
-                              "QUANT": cache_dt == torch.int8, "SPLIT": split, "UPCAST_DOT": False}
+                              "QUANT": cache_dt == torch.int8, "SPLIT": split, "UPCAST_DOT": False, "BLOCK_SIZE": 16}
                     sig = {"q_ptr": "*fp16", **ptrs, "bt_ptr": "*i32", "ctx_ptr": "*i32", "out_ptr": "*fp16",
                            "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qk_scale": "fp32",
-                           **dict.fromkeys(["head_dim", "block_size", "partition_size", "max_splits", "stride_qs",
+                           **dict.fromkeys(["head_dim", "partition_size", "max_splits", "stride_qs",
                                             "stride_qh", "stride_os", "stride_oh", "stride_bts", *cache_ints], "i32"),
                            **dict.fromkeys(ce, "constexpr")}
                     specs.append(LaunchSpec(f"attn_decode[{cache_dt}]", _decode_kernel, sig, ce, dc.num_warps,
                                             dc.num_stages))
             pc = _config(PREFILL_CONFIGS, d)
             ce = {"GROUP": 4, "BLOCK_M": PREFILL_BLOCK_M, "BLOCK_N": pc.block_n, "BLOCK_D": d, "QUANT": cache_dt == torch.int8,
-                      "UPCAST_DOT": False}
+                      "UPCAST_DOT": False, "BLOCK_SIZE": 16}
             sig = {"q_ptr": "*fp16", **ptrs, "cu_ptr": "*i32", "ctx_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*fp16",
                    "qk_scale": "fp32",
-                   **dict.fromkeys(["head_dim", "block_size", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
+                   **dict.fromkeys(["head_dim", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
                                     "stride_bts", *cache_ints], "i32"),
                    **dict.fromkeys(ce, "constexpr")}
             specs.append(LaunchSpec(f"attn_prefill[{cache_dt}]", _prefill_kernel, sig, ce, pc.num_warps, pc.num_stages))

@@ -87,58 +87,110 @@ DEQUANT_NUM_WARPS = 4
 # rows keep each GEMM large enough for cuBLAS (unmeasured on a GPU so far: re-check the M >= 1024
 # timings of bench/kernels.py).
 DEQUANT_SLAB_BYTES = 32 * 2**20
+# Passed to every kernel as a run-time argument, never written as a literal in them: a run-time value
+# makes the shifted masks loop-invariant registers, where literals get re-materialised by ptxas
+# before every LOP3 that uses them (one extra MOV per weight; ``kernels/sass_stats.py`` shows it).
+NIBBLE_MASK = 15
 
 
 # ----------------------------------------------------------------------------- kernels
 
 
 @triton.jit
-def _unpack_f32(words, BLOCK_K: tl.constexpr):
-    """int32 words ``[R, BLOCK_K // 8]`` -> exact fp32 codes ``[R, BLOCK_K]`` (k = 8 j + i: nibble i of word j).
+def _unpack_minus_zero(words, z, nibble_mask, BLOCK_K: tl.constexpr):
+    """int32 words ``[R, BLOCK_K // 8]``, zero points ``z [R]`` -> exact fp32 ``q - z`` ``[R, BLOCK_K]``
+    (k = 8 j + i: nibble i of word j).
 
     ``tl.interleave`` (join + reshape) keeps the copies of a word in the thread that loaded it, so
     unpacking needs no shuffles or shared memory (a 3-D ``[R, W, 8]`` broadcast spreads the nibble
-    axis over lanes: on an H200 the GEMV at M=1 went from ~60 to ~31 µs and the tiled path at
-    M=4096 from ~3.1 to ~1.1 ms when this replaced it). OR-ing the code into the mantissa of 2^23 and
-    subtracting 2^23 costs two full-rate ALU ops where an int->float conversion (I2F) runs at a
-    quarter of that rate on sm_80..sm_90.
+    axis over lanes: on an H200 the tiled path at M=4096 went from ~3.1 to ~1.1 ms, and the GEMV of
+    the time from ~60 to ~31 µs, when interleaving replaced it).
+
+    No int->float conversion (I2F runs at a quarter rate on sm_80..sm_90) and no shift per nibble:
+    a nibble at bit ``p`` is masked in place and OR-ed with the exponent of ``2^(23 - p)``, whose
+    mantissa unit is then ``2^-p``: the float is exactly ``2^(23 - p) + q``. Subtracting
+    ``2^(23 - p) + z`` (exact: both are integers below 2^24) gives ``q - z`` in one FADD. The
+    mantissa has 23 bits, so nibbles 0-4 (bits 0..19) are read in place and nibbles 5-7 after one
+    shift of the word by 12 (bits 8..19). Per weight: one LOP3 and one FADD in SASS
+    (``python -m lightinfer.kernels.sass_stats`` counts them).
     """
     rep = tl.interleave(words, words)
     rep = tl.interleave(rep, rep)
     rep = tl.interleave(rep, rep)  # [R, BLOCK_K]: each word 8 times
-    shifts = (tl.arange(0, BLOCK_K) % 8) * 4
-    bits = ((rep >> shifts[None, :]) & 0xF) | 0x4B000000
-    return bits.to(tl.float32, bitcast=True) - 8388608.0
+    nib = tl.arange(0, BLOCK_K) % 8
+    pre = tl.where(nib >= 5, 12, 0)  # nibbles 5-7: shift the word once so they sit at bits 8..19
+    bit = nib * 4 - pre  # where the nibble sits in the (shifted) word: 0, 4, ..., 16
+    exp_bits = (150 - bit) << 23  # biased exponent of 2^(23 - bit)
+    bits = ((rep >> pre[None, :]) & (nibble_mask << bit)[None, :]) | exp_bits[None, :]
+    base = (exp_bits + 0).to(tl.float32, bitcast=True)  # 2^(23 - bit)
+    return bits.to(tl.float32, bitcast=True) - (base[None, :] + z[:, None])
+
+
+@triton.jit
+def _split4(x):
+    """``[W, 8]`` -> four ``[W, 2]`` tensors holding columns (0, 4), (1, 5), (2, 6), (3, 7)."""
+    a, b = tl.split(tl.reshape(x, (x.shape[0], 4, 2)))  # even / odd columns: (0,2,4,6), (1,3,5,7)
+    a0, a1 = tl.split(tl.reshape(a, (x.shape[0], 2, 2)))  # (0,4), (2,6)
+    b0, b1 = tl.split(tl.reshape(b, (x.shape[0], 2, 2)))  # (1,5), (3,7)
+    return a0, b0, a1, b1
+
+
+@triton.jit
+def _nibble_minus_zero(src, mask, c, BIT: tl.constexpr):
+    """``q - z`` (exact fp32) of the nibble at bits ``BIT..BIT+3`` of every int32 in ``src [R, W]``;
+    ``mask = 15 << BIT``, ``c [R] = 2^(23 - BIT) + z`` (see :func:`_unpack_minus_zero`)."""
+    bits = (src & mask) | ((150 - BIT) << 23)
+    return bits.to(tl.float32, bitcast=True) - c[:, None]
 
 
 @triton.jit
 def _w4a16_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
-    M, N, stride_xm, stride_qn, stride_sg, stride_ym, num_groups, groups_per_split,
+    M, N, stride_xm, stride_qn, stride_sg, stride_ym, num_groups, groups_per_split, nibble_mask,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
 ):
+    # Works on the packed words themselves, one nibble position at a time: no unpacked
+    # [BLOCK_N, GROUP_SIZE] tile, and each (row, word) accumulates its 8 products in one FFMA
+    # chain (a tl.sum tree over unpacked weights pairs them into FMUL + FFMA + FADD).
+    # ``nibble_mask`` is 15, passed at run time so that the shifted masks are loop-invariant
+    # registers: as literals ptxas re-materialises them before every LOP3 (kernels/sass_stats.py).
     WORDS: tl.constexpr = GROUP_SIZE // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_w = tl.arange(0, WORDS)
-    offs_k = tl.arange(0, GROUP_SIZE)
+    offs_i = tl.arange(0, 8)
     offs_m = tl.arange(0, BLOCK_M)
+    m4, m8, m12, m16 = nibble_mask << 4, nibble_mask << 8, nibble_mask << 12, nibble_mask << 16
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     g_start = pid_k * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, num_groups)
     for g in range(g_start, g_end):
-        words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (g * WORDS + offs_w)[None, :],
-                        mask=n_mask[:, None], other=0)
-        q = _unpack_f32(words, GROUP_SIZE)  # [BLOCK_N, GROUP_SIZE]
+        w = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (g * WORDS + offs_w)[None, :],
+                    mask=n_mask[:, None], other=0)  # [BLOCK_N, WORDS]
+        hi = w >> 12  # nibbles 5-7 at bits 8..19
         s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        c0, c4, c8, c12, c16 = z + 8388608.0, z + 524288.0, z + 32768.0, z + 2048.0, z + 128.0
         for m in tl.static_range(BLOCK_M):
-            xm = tl.load(x_ptr + m * stride_xm + g * GROUP_SIZE + offs_k,
-                         mask=(offs_k * 0 + m) < M, other=0.0).to(tl.float32)  # [GROUP_SIZE]
-            part = s * (tl.sum(q * xm[None, :], axis=1) - z * tl.sum(xm, axis=0))  # [BLOCK_N]
+            xg = tl.load(x_ptr + m * stride_xm + g * GROUP_SIZE + offs_w[:, None] * 8 + offs_i[None, :],
+                         mask=(offs_w[:, None] * 0 + m) < M, other=0.0).to(tl.float32)  # [WORDS, 8]
+            x04, x15, x26, x37 = _split4(xg)
+            x0, x4 = tl.split(x04)
+            x1, x5 = tl.split(x15)
+            x2, x6 = tl.split(x26)
+            x3, x7 = tl.split(x37)
+            t = _nibble_minus_zero(w, nibble_mask, c0, 0) * x0[None, :]
+            t += _nibble_minus_zero(w, m4, c4, 4) * x1[None, :]
+            t += _nibble_minus_zero(w, m8, c8, 8) * x2[None, :]
+            t += _nibble_minus_zero(w, m12, c12, 12) * x3[None, :]
+            t += _nibble_minus_zero(w, m16, c16, 16) * x4[None, :]
+            t += _nibble_minus_zero(hi, m8, c8, 8) * x5[None, :]
+            t += _nibble_minus_zero(hi, m12, c12, 12) * x6[None, :]
+            t += _nibble_minus_zero(hi, m16, c16, 16) * x7[None, :]
+            part = s * tl.sum(t, axis=1)  # [BLOCK_N]
             acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
     if HAS_BIAS:
         b = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -154,7 +206,7 @@ def _w4a16_gemv_kernel(
 @triton.jit
 def _w4a16_tiled_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
-    M, N, stride_xm, stride_qn, stride_sg, stride_ym, num_k_steps, steps_per_split,
+    M, N, stride_xm, stride_qn, stride_sg, stride_ym, num_k_steps, steps_per_split, nibble_mask,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
@@ -182,8 +234,7 @@ def _w4a16_tiled_kernel(
         g = k0 // GROUP_SIZE
         s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        q = _unpack_f32(words, BLOCK_K)
-        w = ((q - z[:, None]) * s[:, None]).to(a.dtype)  # [BLOCK_N, BLOCK_K]
+        w = (_unpack_minus_zero(words, z, nibble_mask, BLOCK_K) * s[:, None]).to(a.dtype)  # [BLOCK_N, BLOCK_K]
         acc = tl.dot(a, tl.trans(w), acc)
     if HAS_BIAS:
         b = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -198,7 +249,7 @@ def _w4a16_tiled_kernel(
 
 @triton.jit
 def _w4_dequant_kernel(
-    qw_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_qn, stride_sg, stride_wn,
+    qw_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_qn, stride_sg, stride_wn, nibble_mask,
     GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # One program: BLOCK_N rows x one group of K -> dense w [N, K] (nn.Linear orientation).
@@ -209,10 +260,9 @@ def _w4_dequant_kernel(
     n_mask = offs_n < N
     words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (g * WORDS + tl.arange(0, WORDS))[None, :],
                     mask=n_mask[:, None], other=0)
-    q = _unpack_f32(words, GROUP_SIZE)
     s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    w = (q - z[:, None]) * s[:, None]
+    w = _unpack_minus_zero(words, z, nibble_mask, GROUP_SIZE) * s[:, None]
     offs_k = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
     tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], w.to(w_ptr.dtype.element_ty),
              mask=n_mask[:, None] & (offs_k[None, :] < K))
@@ -305,7 +355,7 @@ def _dequantize_into(w: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     n, k = qweight.shape[0], qweight.shape[1] * 8
     g = k // scales.shape[0]
     grid = (triton.cdiv(n, DEQUANT_BLOCK_N), k // g)
-    _w4_dequant_kernel[grid](qweight, scales, zeros, w, n, k, qweight.stride(0), scales.stride(0), w.stride(0),
+    _w4_dequant_kernel[grid](qweight, scales, zeros, w, n, k, qweight.stride(0), scales.stride(0), w.stride(0), NIBBLE_MASK,
                              GROUP_SIZE=g, BLOCK_N=DEQUANT_BLOCK_N, num_warps=DEQUANT_NUM_WARPS)
 
 
@@ -378,11 +428,11 @@ def w4a16_gemm_path(
     if path == "gemv":
         _w4a16_gemv_kernel[(grid_mn[1], split)](
             x, qweight, scales, zeros, bias_arg, y, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
-            y.stride(0), num_k_steps, steps_per_split, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n, **common)
+            y.stride(0), num_k_steps, steps_per_split, NIBBLE_MASK, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n, **common)
     else:
         _w4a16_tiled_kernel[(grid_mn[0], grid_mn[1], split)](
             x, qweight, scales, zeros, bias_arg, y, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
-            y.stride(0), num_k_steps, steps_per_split, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n,
+            y.stride(0), num_k_steps, steps_per_split, NIBBLE_MASK, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k, UPCAST_DOT=upcast_dot(x.dtype), **common)
     return y.to(x.dtype) if atomic else y
 
@@ -423,7 +473,7 @@ def launch_specs(dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> list[Lau
             for block_m in sorted({next_pow2(m) for m in range(1, GEMV_MAX_M + 1)}):
                 for atomic in (False, True):
                     sig = {**base, "y_ptr": "*fp32" if atomic else f, **{i: "i32" for i in ints},
-                           "num_groups": "i32", "groups_per_split": "i32"}
+                           "num_groups": "i32", "groups_per_split": "i32", "nibble_mask": "i32"}
                     ce = {"GROUP_SIZE": cfg.group_size, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "HAS_BIAS": True,
                               "ATOMIC": atomic}
                     specs.append(LaunchSpec(f"w4a16_gemv[{dt}]", _w4a16_gemv_kernel, {**sig, **dict.fromkeys(ce, "constexpr")},
@@ -432,7 +482,7 @@ def launch_specs(dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> list[Lau
             for g in SUPPORTED_GROUP_SIZES:
                 for atomic in (False, True):
                     sig = {**base, "y_ptr": "*fp32" if atomic else f, **{i: "i32" for i in ints},
-                           "num_k_steps": "i32", "steps_per_split": "i32"}
+                           "num_k_steps": "i32", "steps_per_split": "i32", "nibble_mask": "i32"}
                     ce = {"GROUP_SIZE": g, "BLOCK_M": tcfg.block_m, "BLOCK_N": tcfg.block_n, "BLOCK_K": min(tcfg.block_k, g),
                               "HAS_BIAS": True, "ATOMIC": atomic, "UPCAST_DOT": False}
                     specs.append(LaunchSpec(f"w4a16_tiled[{dt}]", _w4a16_tiled_kernel,
@@ -441,6 +491,6 @@ def launch_specs(dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> list[Lau
         for g in SUPPORTED_GROUP_SIZES:
             ce = {"GROUP_SIZE": g, "BLOCK_N": DEQUANT_BLOCK_N}
             sig = {"qw_ptr": "*i32", "s_ptr": f, "z_ptr": f, "w_ptr": f, "N": "i32", "K": "i32", "stride_qn": "i32",
-                   "stride_sg": "i32", "stride_wn": "i32", **dict.fromkeys(ce, "constexpr")}
+                   "stride_sg": "i32", "stride_wn": "i32", "nibble_mask": "i32", **dict.fromkeys(ce, "constexpr")}
             specs.append(LaunchSpec(f"w4_dequant[{dt}]", _w4_dequant_kernel, sig, ce, DEQUANT_NUM_WARPS, 1))
     return specs
