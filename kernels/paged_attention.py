@@ -44,6 +44,11 @@ class AttnConfig:
 
 DECODE_CONFIGS: list[AttnConfig] = [AttnConfig(128, 64, 4, 2), AttnConfig(256, 32, 4, 2)]
 PREFILL_CONFIGS: list[AttnConfig] = [AttnConfig(128, 64, 4, 2), AttnConfig(256, 32, 8, 2)]
+# An INT8 cache adds the scale/zero vectors and the code conversion to every tile: at the fp16 tiles
+# its prefill kernel ran out of registers (sm_86: 255 registers and 114 spill stores at head_dim 128,
+# 18 at 64; sm_90, head_dim 256: 112 bytes of stack). Half the keys per step spill on neither
+# (``python -m lightinfer.kernels.smem_check`` reports registers and spills).
+PREFILL_INT8_CONFIGS: list[AttnConfig] = [AttnConfig(128, 32, 4, 2), AttnConfig(256, 16, 8, 2)]
 PREFILL_BLOCK_M = 64
 REDUCE_NUM_WARPS = 4
 HEAD_DIMS = (64, 128, 256)  # head sizes the smem check compiles
@@ -388,7 +393,7 @@ def paged_attention_prefill(
     out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs <= 0:
         return out
-    cfg = _config(PREFILL_CONFIGS, head_dim)
+    cfg = _config(PREFILL_INT8_CONFIGS if quant else PREFILL_CONFIGS, head_dim)
     ks, kz, vs, vz = aux if quant else (k_cache,) * 4
     sb, so, sh = k_scale.stride() if quant else (0, 0, 0)
     grid = (num_seqs, triton.cdiv(num_tokens, PREFILL_BLOCK_M), num_heads)
@@ -427,7 +432,7 @@ def launch_specs() -> list[LaunchSpec]:
                            **dict.fromkeys(ce, "constexpr")}
                     specs.append(LaunchSpec(f"attn_decode[{cache_dt}]", _decode_kernel, sig, ce, dc.num_warps,
                                             dc.num_stages))
-            pc = _config(PREFILL_CONFIGS, d)
+            pc = _config(PREFILL_INT8_CONFIGS if cache_dt == torch.int8 else PREFILL_CONFIGS, d)
             ce = {"GROUP": 4, "BLOCK_M": PREFILL_BLOCK_M, "BLOCK_N": pc.block_n, "BLOCK_D": d, "QUANT": cache_dt == torch.int8,
                       "UPCAST_DOT": False, "BLOCK_SIZE": 16}
             sig = {"q_ptr": "*fp16", **ptrs, "cu_ptr": "*i32", "ctx_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*fp16",

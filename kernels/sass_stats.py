@@ -37,15 +37,19 @@ from typing import Any
 _DIVISIBLE_INTS = re.compile(r"^(stride_\w+|N|K|head_dim|partition_size)$")
 
 
-def _compile(spec: Any, arch: int, one: tuple[str, ...] = ()) -> Any:
-    """Compile ``spec`` for ``sm_<arch>`` with run-time-like specialisation; ``one`` names ints equal to 1."""
+def compile_spec(spec: Any, arch: int, one: tuple[str, ...] = ()) -> Any:
+    """Compile ``spec`` for ``sm_<arch>`` with run-time-like specialisation; ``one`` names ints equal to 1.
+
+    Raises:
+        RuntimeError: when run under ``TRITON_INTERPRET=1``.
+    """
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
     if not isinstance(spec.kernel, JITFunction):
-        raise RuntimeError("sass_stats needs TRITON_INTERPRET unset (kernels are interpreter objects)")  # noqa: TRY004
+        raise RuntimeError("compiling kernels needs TRITON_INTERPRET unset (kernels are interpreter objects)")  # noqa: TRY004
     signature, constexprs = dict(spec.signature), dict(spec.constexprs)
     for name in one:
         signature[name], constexprs[name] = "constexpr", 1
@@ -65,7 +69,7 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def _registers(cubin: bytes) -> int:
+def registers(cubin: bytes) -> int:
     """Registers per thread of the kernel in ``cubin`` (``cuobjdump -res-usage``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -102,7 +106,7 @@ def loop_stats(spec: Any, arch: int, per_thread: float, unit: str, one: tuple[st
     per iteration), registers, shared memory and the count of every opcode."""
     from triton.tools.disasm import get_sass
 
-    compiled = _compile(spec, arch, one)
+    compiled = compile_spec(spec, arch, one)
     body = hot_loop(get_sass(compiled.asm["cubin"]))
     counts = opcode_counts(body)
     total = sum(counts.values())
@@ -115,7 +119,7 @@ def loop_stats(spec: Any, arch: int, per_thread: float, unit: str, one: tuple[st
         "unit": unit,
         "units_per_thread": per_thread,
         "instructions_per_unit": round(total / per_thread, 3),
-        "registers": _registers(compiled.asm["cubin"]),
+        "registers": registers(compiled.asm["cubin"]),
         "shared": int(compiled.metadata.shared),
         "opcodes": dict(counts.most_common()),
     }
