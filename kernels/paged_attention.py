@@ -73,26 +73,71 @@ def _int8_to_f16(x):
 
 
 @triton.jit
+def _gather_rows(bt_row_ptr, n0, n_end, kvh, stride_b, stride_o, stride_h,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Offsets ``[BLOCK_N]`` of keys ``n0 .. n0 + BLOCK_N`` (page ``// BLOCK_SIZE``, slot ``% BLOCK_SIZE``) for
+    strides ``(stride_b, stride_o, stride_h)`` of a ``[blocks, block_size, heads, ...]`` tensor, and their mask."""
+    tok = n0 + tl.arange(0, BLOCK_N)
+    t_mask = tok < n_end
+    phys = tl.load(bt_row_ptr + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+    return phys * stride_b + (tok % BLOCK_SIZE) * stride_o + kvh * stride_h, t_mask
+
+
+@triton.jit
+def _gather_pages(bt_row_ptr, n0, n_end, kvh, stride_b, stride_o, stride_h,
+                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """:func:`_gather_rows` shaped ``[BLOCK_N // BLOCK_SIZE, BLOCK_SIZE]`` (``n0`` a multiple of BLOCK_SIZE):
+    one block-table read per page, and the slots of a page one strided run."""
+    pages = n0 // BLOCK_SIZE + tl.arange(0, BLOCK_N // BLOCK_SIZE)
+    slot = tl.arange(0, BLOCK_SIZE)
+    t_mask = (pages[:, None] * BLOCK_SIZE + slot[None, :]) < n_end
+    phys = tl.load(bt_row_ptr + pages, mask=pages * BLOCK_SIZE < n_end, other=0).to(tl.int64)
+    return phys[:, None] * stride_b + slot[None, :] * stride_o + kvh * stride_h, t_mask
+
+
+@triton.jit
 def _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_row_ptr,
-                 tok, t_mask, allowed, offs_d, d_mask, kvh,
+                 n0, n_end, allowed, offs_d, d_mask, kvh,
                  stride_cb, stride_co, stride_ch, stride_sb, stride_so, stride_sh, qk_scale, QUANT: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr):
-    """One online-softmax step over keys ``tok`` [BLOCK_N]; ``allowed`` [ROWS, BLOCK_N] masks scores."""
-    page = tok // BLOCK_SIZE  # a constexpr: shifts, where a run-time divisor costs ~20 instructions per token
-    phys = tl.load(bt_row_ptr + page, mask=t_mask, other=0).to(tl.int64)
-    in_blk = tok % BLOCK_SIZE
-    row = phys * stride_cb + in_blk * stride_co + kvh * stride_ch  # [BLOCK_N]
-    kv_mask = t_mask[:, None] & d_mask[None, :]
-    k = tl.load(kc_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0)
-    v = tl.load(vc_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0)
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One online-softmax step over keys ``n0 .. min(n0 + BLOCK_N, n_end)``; ``allowed`` [ROWS, BLOCK_N]
+    masks scores. ``BLOCK_SIZE`` is a constexpr: a run-time divisor costs ~20 instructions per token."""
+    if QUANT and BLOCK_N % BLOCK_SIZE == 0:
+        # INT8, whole pages (n0 is a multiple of BLOCK_N): K/V load as [pages, BLOCK_SIZE, D] tiles
+        # reshaped to [BLOCK_N, D]. Besides one block-table read per page, this makes Triton convert the
+        # codes in the registers that loaded them and pass fp16 to the tensor cores through ldmatrix; from
+        # a flat [BLOCK_N, D] gather it read the V operand out of shared memory byte by byte (64 LDS.U8
+        # per thread and step; sm_90 loop 1,149 -> 935 instructions, 182 -> 126 registers, counted by
+        # kernels/sass_stats.py). An fp16 cache keeps the flat gather: there V stays on the asynchronous
+        # copy path (cp.async) that the paged tile would take it off.
+        row, t_mask = _gather_pages(bt_row_ptr, n0, n_end, kvh, stride_cb, stride_co, stride_ch, BLOCK_N, BLOCK_SIZE)
+        kv_mask = t_mask[:, :, None] & d_mask[None, None, :]
+        k = tl.reshape(tl.load(kc_ptr + row[:, :, None] + offs_d[None, None, :], mask=kv_mask, other=0),
+                       (BLOCK_N, BLOCK_D))
+        v = tl.reshape(tl.load(vc_ptr + row[:, :, None] + offs_d[None, None, :], mask=kv_mask, other=0),
+                       (BLOCK_N, BLOCK_D))
+        if QUANT:
+            srow, _ = _gather_pages(bt_row_ptr, n0, n_end, kvh, stride_sb, stride_so, stride_sh, BLOCK_N, BLOCK_SIZE)
+            ks = tl.reshape(tl.load(ks_ptr + srow, mask=t_mask, other=0.0), (BLOCK_N,)).to(tl.float32)
+            kz = tl.reshape(tl.load(kz_ptr + srow, mask=t_mask, other=0.0), (BLOCK_N,)).to(tl.float32)
+            vs = tl.reshape(tl.load(vs_ptr + srow, mask=t_mask, other=0.0), (BLOCK_N,)).to(tl.float32)
+            vz = tl.reshape(tl.load(vz_ptr + srow, mask=t_mask, other=0.0), (BLOCK_N,)).to(tl.float32)
+    else:
+        row, t_mask = _gather_rows(bt_row_ptr, n0, n_end, kvh, stride_cb, stride_co, stride_ch, BLOCK_N, BLOCK_SIZE)
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(kc_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0)
+        v = tl.load(vc_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0)
+        if QUANT:
+            srow, _ = _gather_rows(bt_row_ptr, n0, n_end, kvh, stride_sb, stride_so, stride_sh, BLOCK_N, BLOCK_SIZE)
+            ks = tl.load(ks_ptr + srow, mask=t_mask, other=0.0).to(tl.float32)
+            kz = tl.load(kz_ptr + srow, mask=t_mask, other=0.0).to(tl.float32)
+            vs = tl.load(vs_ptr + srow, mask=t_mask, other=0.0).to(tl.float32)
+            vz = tl.load(vz_ptr + srow, mask=t_mask, other=0.0).to(tl.float32)
     if QUANT:
         k = _int8_to_f16(k)
         v = _int8_to_f16(v)
     s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [ROWS, BLOCK_N] fp32
     if QUANT:
-        srow = phys * stride_sb + in_blk * stride_so + kvh * stride_sh
-        ks = tl.load(ks_ptr + srow, mask=t_mask, other=0.0).to(tl.float32)
-        kz = tl.load(kz_ptr + srow, mask=t_mask, other=0.0).to(tl.float32)
         s = s * ks[None, :] + qsum[:, None] * kz[None, :]
     s = tl.where(allowed, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -101,8 +146,6 @@ def _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr,
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
     if QUANT:
-        vs = tl.load(vs_ptr + srow, mask=t_mask, other=0.0).to(tl.float32)
-        vz = tl.load(vz_ptr + srow, mask=t_mask, other=0.0).to(tl.float32)
         acc = tl.dot((p * vs[None, :]).to(q.dtype), v.to(q.dtype), acc)
         acc += tl.sum(p * vz[None, :], axis=1)[:, None]
     else:
@@ -146,9 +189,9 @@ def _decode_kernel(
         t_mask = tok < end
         allowed = (offs_g[:, None] >= 0) & t_mask[None, :]
         acc, m_i, l_i = _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
-                                     bt_row_ptr, tok, t_mask, allowed, offs_d, d_mask, kvh,
+                                     bt_row_ptr, n0, end, allowed, offs_d, d_mask, kvh,
                                      stride_cb, stride_co, stride_ch, stride_sb, stride_so, stride_sh, qk_scale, QUANT,
-                                     BLOCK_SIZE)
+                                     BLOCK_SIZE, BLOCK_N, BLOCK_D)
     if SPLIT:
         # partials: acc [num_seqs, num_heads, max_splits, BLOCK_D], (m, l) [num_seqs, num_heads, max_splits, 2]
         base = (seq * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * max_splits + part
@@ -224,9 +267,9 @@ def _prefill_kernel(
         t_mask = tok < ctx
         allowed = (tok[None, :] <= pos[:, None]) & t_mask[None, :]
         acc, m_i, l_i = _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
-                                     bt_row_ptr, tok, t_mask, allowed, offs_d, d_mask, kvh,
+                                     bt_row_ptr, n0, ctx, allowed, offs_d, d_mask, kvh,
                                      stride_cb, stride_co, stride_ch, stride_sb, stride_so, stride_sh, qk_scale, QUANT,
-                                     BLOCK_SIZE)
+                                     BLOCK_SIZE, BLOCK_N, BLOCK_D)
     out = acc / l_i[:, None]
     tl.store(out_ptr + tok_q[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_mask)

@@ -34,7 +34,7 @@ import tempfile
 from typing import Any
 
 # Integer arguments that are multiples of 16 at the Llama shapes (Triton marks those divisible).
-_DIVISIBLE_INTS = re.compile(r"^(stride_\w+|N|K|head_dim|partition_size)$")
+_DIVISIBLE_INTS = re.compile(r"^(stride_\w+|N|K|head_dim|partition_size|block_size)$")
 
 
 def compile_spec(spec: Any, arch: int, one: tuple[str, ...] = ()) -> Any:
@@ -142,7 +142,9 @@ def collect(arch: int = 90) -> list[dict[str, Any]]:
         ce = spec.constexprs
         if spec.name.startswith("attn_decode[") and ce["BLOCK_D"] == 128 and ce["GROUP"] == 4 and not ce["SPLIT"]:
             cache_bytes = 2 * ce["BLOCK_N"] * ce["BLOCK_D"] * (1 if ce["QUANT"] else 2)  # K and V tiles
-            rows.append(loop_stats(spec, arch, cache_bytes / (32 * spec.num_warps), "cache byte"))
+            # The engine's INT8 scales are head-major on GPUs: a head's tokens are 1 apart (Triton folds 1).
+            one = ("stride_so",) if ce["QUANT"] else ()
+            rows.append(loop_stats(spec, arch, cache_bytes / (32 * spec.num_warps), "cache byte", one))
     return rows
 
 
@@ -158,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         ce = r["constexprs"]
         shape = " ".join(f"{k}={ce[k]}" for k in ("GROUP_SIZE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "QUANT") if k in ce)
-        m1 = " M=1" if r["specialised_to_1"] else ""
-        print(f"{r['name']:<30} {shape}{m1:<5} {r['loop_instructions']:>5} instr/iter  "
+        ones = "".join(f" {n}=1" for n in r["specialised_to_1"])
+        print(f"{r['name']:<30} {shape}{ones:<12} {r['loop_instructions']:>5} instr/iter  "
               f"{r['instructions_per_unit']:>5.2f} per {r['unit']:<10}  regs {r['registers']:>3}  "
               f"{', '.join(f'{k} {v}' for k, v in list(r['opcodes'].items())[:6])}")
     if args.json:

@@ -70,6 +70,26 @@ def test_decode_odd_head_dim_and_block_size(head_dim: int, block_size: int) -> N
                                **TOL[torch.float16])
 
 
+@pytest.mark.parametrize("block_size", [1, 8, 32, 128])
+def test_int8_whole_page_and_fallback_gathers(block_size: int) -> None:
+    """INT8 tiles are gathered page by page when a tile holds whole pages (block sizes 1, 8, 32 with
+    64- and 32-key tiles) and token by token otherwise (128): both match the reference, in decode (one
+    and split partitions) and prefill."""
+    ctx = [1, 9, 70, 200]
+    kc, vc, table, lens, aux = _cache(ctx, 2, 32, block_size, torch.int8, torch.float16, seed=block_size)
+    q = torch.randn(len(ctx), 8, 32).half()
+    want = ref.paged_attention_decode(q, kc, vc, table, lens, 0.2, *aux)
+    for kwargs in ({}, {"partition_size": 128}):
+        got = paged_attention_decode_impl(q, kc, vc, table, lens, 0.2, *aux, **kwargs)
+        torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
+    q_lens = [1, 5, 40, 33]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    qp = torch.randn(sum(q_lens), 8, 32).half()
+    want = ref.paged_attention_prefill(qp, kc, vc, cu, lens, table, 0.2, *aux)
+    got = paged_attention_prefill(qp, kc, vc, cu, lens, table, 0.2, *aux)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
+
+
 def test_decode_bf16() -> None:
     kc, vc, table, lens, aux = _cache([3, 40], 2, 32, 16, torch.bfloat16, torch.bfloat16)
     q = torch.randn(2, 8, 32).bfloat16()

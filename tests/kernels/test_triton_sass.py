@@ -62,3 +62,13 @@ def test_decode_attention_loop_has_no_integer_division(rows: list[dict]) -> None
         assert "I2F" not in r["opcodes"], r
     fp16 = next(r for r in attn if not r["constexprs"]["QUANT"])
     assert fp16["instructions_per_unit"] <= 2.1, fp16  # 1.92 when written (2.39 with a run-time block size)
+
+
+def test_int8_decode_converts_codes_in_registers(rows: list[dict]) -> None:
+    # Gathered as whole pages, the INT8 tiles are converted where they are loaded and the V operand
+    # reaches the tensor cores through ldmatrix; gathered token by token, Triton read it from shared
+    # memory one byte at a time (94 LDS per step, 182 registers, 8.98 instructions per byte).
+    int8 = next(r for r in rows if r["name"].startswith("attn_decode") and r["constexprs"]["QUANT"])
+    assert int8["opcodes"].get("LDS", 0) <= 40, int8
+    assert int8["instructions_per_unit"] <= 7.6, int8  # 7.09 when written
+    assert int8["registers"] <= 160, int8  # 127 when written
