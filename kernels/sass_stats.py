@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         ce = r["constexprs"]
         shape = " ".join(f"{k}={ce[k]}" for k in ("GROUP_SIZE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "QUANT") if k in ce)
         ones = "".join(f" {n}=1" for n in r["specialised_to_1"])
-        print(f"{r['name']:<30} {shape}{ones:<12} {r['loop_instructions']:>5} instr/iter  "
+        print(f"{r['name']:<30} {shape} w={r['num_warps']}{ones:<12} {r['loop_instructions']:>5} instr/iter  "
               f"{r['instructions_per_unit']:>5.2f} per {r['unit']:<10}  regs {r['registers']:>3}  "
               f"{', '.join(f'{k} {v}' for k, v in list(r['opcodes'].items())[:6])}")
     if args.json:

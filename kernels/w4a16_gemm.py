@@ -79,6 +79,14 @@ TILED_CONFIGS: list[TiledConfig] = [
     TiledConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3),
     TiledConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
 ]
+# Before Hopper (sm_80/86/89: mma.sync, 64K registers per SM) the 64-row tile at 4 warps needs 254
+# registers per thread (``python -m lightinfer.kernels.smem_check --arch 86``): one 4-warp block per
+# SM, too few warps to hide memory latency. At 8 warps it needs 128. Chosen from register counts;
+# not yet timed on a consumer card.
+TILED_CONFIGS_PRE_HOPPER: list[TiledConfig] = [
+    c if c.block_m < 64 else TiledConfig(c.block_m, c.block_n, c.block_k, num_warps=8, num_stages=c.num_stages)
+    for c in TILED_CONFIGS
+]
 DEQUANT_BLOCK_N = 64
 DEQUANT_NUM_WARPS = 4
 # The dequant path dequantizes W in slabs of output rows of at most this many bytes, each handed
@@ -313,9 +321,17 @@ def gemv_config(group_size: int) -> GemvConfig:
     return next(c for c in GEMV_CONFIGS if c.group_size == group_size)
 
 
-def tiled_config(m: int) -> TiledConfig:
-    """The tensor-core configuration used for ``m`` rows: smallest ``block_m >= m`` (else the largest)."""
-    return next((c for c in TILED_CONFIGS if c.block_m >= m), TILED_CONFIGS[-1])
+def tiled_configs(device: torch.device) -> list[TiledConfig]:
+    """:data:`TILED_CONFIGS` on Hopper and the CPU interpreter, :data:`TILED_CONFIGS_PRE_HOPPER` on older GPUs."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        return TILED_CONFIGS_PRE_HOPPER
+    return TILED_CONFIGS
+
+
+def tiled_config(m: int, device: torch.device | None = None) -> TiledConfig:
+    """The tensor-core configuration used for ``m`` rows on ``device``: smallest ``block_m >= m`` (else the largest)."""
+    configs = tiled_configs(device) if device is not None else TILED_CONFIGS
+    return next((c for c in configs if c.block_m >= m), configs[-1])
 
 
 def pick_path(m: int) -> str:
@@ -337,7 +353,7 @@ def pick_split_k(m: int, n: int, k: int, group_size: int, path: str, device: tor
     if path == "gemv":
         block_n, block_k, grid_m = gemv_config(group_size).block_n, group_size, 1
     else:
-        cfg = tiled_config(m)
+        cfg = tiled_config(m, device)
         block_n, block_k, grid_m = cfg.block_n, min(cfg.block_k, group_size), triton.cdiv(m, cfg.block_m)
     return _split_k(grid_m * triton.cdiv(n, block_n), k // block_k, device, GEMV_WAVES if path == "gemv" else 2)
 
@@ -409,7 +425,7 @@ def w4a16_gemm_path(
         num_warps, num_stages = cfg.num_warps, cfg.num_stages
         grid_mn = (1, triton.cdiv(n, block_n))
     elif path == "tiled":
-        tcfg = tiled_config(m)
+        tcfg = tiled_config(m, x.device)
         block_m, block_n, block_k = tcfg.block_m, tcfg.block_n, min(tcfg.block_k, g)
         num_warps, num_stages = tcfg.num_warps, tcfg.num_stages
         grid_mn = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
@@ -478,7 +494,7 @@ def launch_specs(dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> list[Lau
                               "ATOMIC": atomic}
                     specs.append(LaunchSpec(f"w4a16_gemv[{dt}]", _w4a16_gemv_kernel, {**sig, **dict.fromkeys(ce, "constexpr")},
                                             ce, cfg.num_warps, cfg.num_stages))
-        for tcfg in TILED_CONFIGS:
+        for tcfg in dict.fromkeys(TILED_CONFIGS + TILED_CONFIGS_PRE_HOPPER):
             for g in SUPPORTED_GROUP_SIZES:
                 for atomic in (False, True):
                     sig = {**base, "y_ptr": "*fp32" if atomic else f, **{i: "i32" for i in ints},

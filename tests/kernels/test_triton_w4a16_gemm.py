@@ -88,6 +88,19 @@ def test_pick_path_and_configs() -> None:
     assert all(c.block_m >= 16 and c.block_n >= 16 for c in wg.TILED_CONFIGS)  # tl.dot minimum
 
 
+@pytest.mark.parametrize("capability,expected", [((8, 6), "pre_hopper"), ((8, 9), "pre_hopper"), ((9, 0), "hopper")])
+def test_tiled_configs_follow_the_architecture(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int],
+                                               expected: str) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    cuda = torch.device("cuda", 0)
+    configs = wg.tiled_configs(cuda)
+    assert configs is (wg.TILED_CONFIGS_PRE_HOPPER if expected == "pre_hopper" else wg.TILED_CONFIGS)
+    # Before Hopper the 64-row tile runs 8 warps (4 warps needed 254 registers on sm_86).
+    assert wg.tiled_config(64, cuda).num_warps == (8 if expected == "pre_hopper" else 4)
+    assert wg.tiled_config(16, cuda) == wg.TILED_CONFIGS[0]
+    assert wg.tiled_configs(torch.device("cpu")) is wg.TILED_CONFIGS
+
+
 def test_large_m_uses_dequant_path() -> None:
     qweight, scales, zeros = _weights(8, 64, 32, torch.float32)
     x = torch.randn(wg.TILED_MAX_M + 3, 64)
