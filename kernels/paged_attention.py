@@ -107,8 +107,8 @@ def _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr,
         # reshaped to [BLOCK_N, D]. Besides one block-table read per page, this makes Triton convert the
         # codes in the registers that loaded them and pass fp16 to the tensor cores through ldmatrix; from
         # a flat [BLOCK_N, D] gather it read the V operand out of shared memory byte by byte (64 LDS.U8
-        # per thread and step; sm_90 loop 1,149 -> 935 instructions, 182 -> 126 registers, counted by
-        # kernels/sass_stats.py). An fp16 cache keeps the flat gather: there V stays on the asynchronous
+        # per thread and step; sm_90 loop 1,377 -> 908 instructions, 194 -> 127 registers, with the
+        # constexpr block size; bench/results/sass_stats_sm90*.json). An fp16 cache keeps the flat gather: there V stays on the asynchronous
         # copy path (cp.async) that the paged tile would take it off.
         row, t_mask = _gather_pages(bt_row_ptr, n0, n_end, kvh, stride_cb, stride_co, stride_ch, BLOCK_N, BLOCK_SIZE)
         kv_mask = t_mask[:, :, None] & d_mask[None, None, :]
@@ -116,12 +116,11 @@ def _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr,
                        (BLOCK_N, BLOCK_D))
         v = tl.reshape(tl.load(vc_ptr + row[:, :, None] + offs_d[None, None, :], mask=kv_mask, other=0),
                        (BLOCK_N, BLOCK_D))
-        if QUANT:
-            srow, _ = _gather_pages(bt_row_ptr, n0, n_end, kvh, stride_sb, stride_so, stride_sh, BLOCK_N, BLOCK_SIZE)
-            ks = tl.reshape(tl.load(ks_ptr + srow, mask=t_mask, other=0.0), (BLOCK_N,)).to(tl.float32)
-            kz = tl.reshape(tl.load(kz_ptr + srow, mask=t_mask, other=0.0), (BLOCK_N,)).to(tl.float32)
-            vs = tl.reshape(tl.load(vs_ptr + srow, mask=t_mask, other=0.0), (BLOCK_N,)).to(tl.float32)
-            vz = tl.reshape(tl.load(vz_ptr + srow, mask=t_mask, other=0.0), (BLOCK_N,)).to(tl.float32)
+        srow, _ = _gather_pages(bt_row_ptr, n0, n_end, kvh, stride_sb, stride_so, stride_sh, BLOCK_N, BLOCK_SIZE)
+        ks = tl.reshape(tl.load(ks_ptr + srow, mask=t_mask, other=0.0), (BLOCK_N,)).to(tl.float32)
+        kz = tl.reshape(tl.load(kz_ptr + srow, mask=t_mask, other=0.0), (BLOCK_N,)).to(tl.float32)
+        vs = tl.reshape(tl.load(vs_ptr + srow, mask=t_mask, other=0.0), (BLOCK_N,)).to(tl.float32)
+        vz = tl.reshape(tl.load(vz_ptr + srow, mask=t_mask, other=0.0), (BLOCK_N,)).to(tl.float32)
     else:
         row, t_mask = _gather_rows(bt_row_ptr, n0, n_end, kvh, stride_cb, stride_co, stride_ch, BLOCK_N, BLOCK_SIZE)
         kv_mask = t_mask[:, None] & d_mask[None, :]

@@ -60,6 +60,16 @@ def test_w4a16_all_paths_real_shapes(k: int, n: int, m: int) -> None:
     assert _rel_err(wg.w4a16_gemm(x, qweight, scales, zeros, bias), want) < 3e-3
 
 
+def test_w4a16_pre_hopper_tiles_on_this_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiles chosen for sm_80/86/89 (64-row tile at 8 warps) are correct here too."""
+    monkeypatch.setattr(wg, "tiled_configs", lambda device: wg.TILED_CONFIGS_PRE_HOPPER)
+    qweight, scales, zeros = _weights(4096, 4096, 128)
+    for m in (20, 40, 64):
+        x = torch.randn(m, 4096, device=DEV, dtype=torch.float16)
+        got = wg.w4a16_gemm_path(x, qweight, scales, zeros, path="tiled")
+        assert _rel_err(got, ref.w4a16_gemm(x, qweight, scales, zeros)) < 3e-3, m
+
+
 @pytest.mark.parametrize("g", [32, 64])
 @pytest.mark.parametrize("n", [200, 4104])  # N = 8 * odd
 def test_w4a16_small_groups_ragged_n_bf16(g: int, n: int) -> None:
@@ -105,6 +115,22 @@ def test_decode_real_shapes(int8: bool, num_heads: int, num_kv_heads: int) -> No
     assert _rel_err(paged_attention_decode(q, kc, vc, table, lens, 128**-0.5, *aux), want) < 2e-3
     one = paged_attention_decode_impl(q, kc, vc, table, lens, 128**-0.5, *aux, partition_size=8192)
     assert _rel_err(one, want) < 2e-3
+
+
+def test_int8_head_major_scales_real_shapes() -> None:
+    """The engine's GPU layout of the INT8 scales (head-major: a head's tokens 1 apart, which Triton
+    compiles as a constant stride) gives the same decode and prefill as the contiguous layout."""
+    ctx = [1, 17, 513, 4000]
+    kc, vc, table, lens, aux, _ = _paged(ctx, 8, 128, 16, True)
+    hm = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in aux]
+    assert hm[0].stride(1) == 1
+    q = torch.randn(len(ctx), 32, 128, device=DEV, dtype=torch.float16)
+    want = ref.paged_attention_decode(q, kc, vc, table, lens, 128**-0.5, *aux)
+    assert _rel_err(paged_attention_decode(q, kc, vc, table, lens, 128**-0.5, *hm), want) < 2e-3
+    cu = torch.tensor([0, 1, 18, 531, 4531], dtype=torch.int32, device=DEV)
+    qp = torch.randn(4531, 32, 128, device=DEV, dtype=torch.float16)
+    want = ref.paged_attention_prefill(qp, kc, vc, cu, lens, table, 128**-0.5, *aux)
+    assert _rel_err(paged_attention_prefill(qp, kc, vc, cu, lens, table, 128**-0.5, *hm), want) < 2e-3
 
 
 @pytest.mark.parametrize("int8", [False, True])
