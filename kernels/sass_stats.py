@@ -133,10 +133,10 @@ def collect(arch: int = 90) -> list[dict[str, Any]]:
     for spec in w4a16_gemm.launch_specs():
         ce = spec.constexprs
         threads = 32 * spec.num_warps
-        if spec.name.startswith("w4a16_gemv") and ce["ATOMIC"]:
+        if spec.name.startswith("w4a16_gemv") and ce["SPLIT"]:
             one = ("M",) if ce["BLOCK_M"] == 1 else ()
             rows.append(loop_stats(spec, arch, ce["BLOCK_N"] * ce["GROUP_SIZE"] / threads, "weight", one))
-        elif spec.name.startswith("w4a16_tiled") and ce["GROUP_SIZE"] == 128 and not ce["ATOMIC"]:
+        elif spec.name.startswith("w4a16_tiled") and ce["GROUP_SIZE"] == 128 and not ce["SPLIT"]:
             rows.append(loop_stats(spec, arch, ce["BLOCK_N"] * ce["BLOCK_K"] / threads, "weight"))
     for spec in paged_attention.launch_specs():
         ce = spec.constexprs

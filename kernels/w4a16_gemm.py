@@ -18,8 +18,10 @@ Three paths, picked by M (see ``GEMV_MAX_M`` / ``TILED_MAX_M``):
 * ``dequant`` (large M, compute-bound): dequantize W once into a dense ``[N, K]`` tensor with a
   Triton kernel and hand the GEMM to torch (cuBLAS).
 
-Split-K programs add fp32 partial sums into a zeroed fp32 buffer with atomics (bias added by
-the first split), which is then cast to ``x.dtype``.
+Split-K programs write fp32 partial sums to a ``[split, M, N]`` workspace and one reduction kernel
+adds them in split order, adds the bias and casts to ``x.dtype``: deterministic (no atomics), and
+two launches where atomics into a zeroed buffer needed three (zero-fill, GEMM, cast). At M=1 split-K
+is the rule, four times per decoder layer.
 """
 
 from __future__ import annotations
@@ -99,6 +101,8 @@ DEQUANT_SLAB_BYTES = 32 * 2**20
 # makes the shifted masks loop-invariant registers, where literals get re-materialised by ptxas
 # before every LOP3 that uses them (one extra MOV per weight; ``kernels/sass_stats.py`` shows it).
 NIBBLE_MASK = 15
+REDUCE_BLOCK_N = 1024  # split-K reduction: columns per program
+REDUCE_NUM_WARPS = 4
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -152,11 +156,39 @@ def _nibble_minus_zero(src, mask, c, BIT: tl.constexpr):
 
 
 @triton.jit
+def _store_output(acc, bias_ptr, y_ptr, offs_m, offs_n, y_mask, n_mask, pid_k, stride_ym, stride_ys,
+                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """``acc [BLOCK_M, BLOCK_N]`` fp32 -> ``y`` (+ bias, in y's dtype), or, split-K, this split's fp32 slice of
+    the ``[split, M, N]`` workspace (bias and cast left to :func:`_split_k_reduce_kernel`)."""
+    if SPLIT:
+        tl.store(y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :], acc, mask=y_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(ws_ptr, bias_ptr, y_ptr, N, num_splits, stride_ws, stride_wm, stride_ym,
+                           HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # One program per (row, BLOCK_N columns): sum the splits in order (deterministic), bias, cast.
+    m = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for s in range(num_splits):
+        acc += tl.load(ws_ptr + s * stride_ws + m * stride_wm + offs_n, mask=n_mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
 def _w4a16_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
-    M, N, stride_xm, stride_qn, stride_sg, stride_ym, num_groups, groups_per_split, nibble_mask,
+    M, N, stride_xm, stride_qn, stride_sg, stride_ym, stride_ys, num_groups, groups_per_split, nibble_mask,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
 ):
     # Works on the packed words themselves, one nibble position at a time: no unpacked
     # [BLOCK_N, GROUP_SIZE] tile, and each (row, word) accumulates its 8 products in one FFMA
@@ -200,23 +232,16 @@ def _w4a16_gemv_kernel(
             t += _nibble_minus_zero(hi, m16, c16, 16) * x7[None, :]
             part = s * tl.sum(t, axis=1)  # [BLOCK_N]
             acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
-    if HAS_BIAS:
-        b = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        acc += tl.where(pid_k == 0, b, 0.0)[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    y_mask = (offs_m[:, None] < M) & n_mask[None, :]
-    if ATOMIC:
-        tl.atomic_add(y_ptrs, acc, mask=y_mask)
-    else:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    _store_output(acc, bias_ptr, y_ptr, offs_m, offs_n, (offs_m[:, None] < M) & n_mask[None, :], n_mask, pid_k,
+                  stride_ym, stride_ys, HAS_BIAS, SPLIT)
 
 
 @triton.jit
 def _w4a16_tiled_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
-    M, N, stride_xm, stride_qn, stride_sg, stride_ym, num_k_steps, steps_per_split, nibble_mask,
+    M, N, stride_xm, stride_qn, stride_sg, stride_ym, stride_ys, num_k_steps, steps_per_split, nibble_mask,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     # BLOCK_K divides GROUP_SIZE, so one K step lies in one group: one scale/zero per column.
     pid_m = tl.program_id(0)
@@ -244,15 +269,8 @@ def _w4a16_tiled_kernel(
         z = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         w = (_unpack_minus_zero(words, z, nibble_mask, BLOCK_K) * s[:, None]).to(a.dtype)  # [BLOCK_N, BLOCK_K]
         acc = tl.dot(a, tl.trans(w), acc)
-    if HAS_BIAS:
-        b = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        acc += tl.where(pid_k == 0, b, 0.0)[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    y_mask = m_mask[:, None] & n_mask[None, :]
-    if ATOMIC:
-        tl.atomic_add(y_ptrs, acc, mask=y_mask)
-    else:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    _store_output(acc, bias_ptr, y_ptr, offs_m, offs_n, m_mask[:, None] & n_mask[None, :], n_mask, pid_k,
+                  stride_ym, stride_ys, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -436,21 +454,26 @@ def w4a16_gemm_path(
     split = min(split, num_k_steps)
     steps_per_split = triton.cdiv(num_k_steps, split)
     split = triton.cdiv(num_k_steps, steps_per_split)
-    atomic = split > 1
-    y = torch.zeros((m, n), dtype=torch.float32, device=x.device) if atomic else torch.empty(
-        (m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    # Split-K: the kernel writes fp32 partials to out [split, M, N]; the reduction writes y.
+    out = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     bias_arg = bias if bias is not None else y
-    common = {"HAS_BIAS": bias is not None, "ATOMIC": atomic, "num_warps": num_warps, "num_stages": num_stages}
+    common = {"HAS_BIAS": bias is not None, "SPLIT": split > 1, "num_warps": num_warps, "num_stages": num_stages}
     if path == "gemv":
         _w4a16_gemv_kernel[(grid_mn[1], split)](
-            x, qweight, scales, zeros, bias_arg, y, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
-            y.stride(0), num_k_steps, steps_per_split, NIBBLE_MASK, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n, **common)
+            x, qweight, scales, zeros, bias_arg, out, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
+            n, m * n, num_k_steps, steps_per_split, NIBBLE_MASK, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n,
+            **common)
     else:
         _w4a16_tiled_kernel[(grid_mn[0], grid_mn[1], split)](
-            x, qweight, scales, zeros, bias_arg, y, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
-            y.stride(0), num_k_steps, steps_per_split, NIBBLE_MASK, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n,
+            x, qweight, scales, zeros, bias_arg, out, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
+            n, m * n, num_k_steps, steps_per_split, NIBBLE_MASK, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k, UPCAST_DOT=upcast_dot(x.dtype), **common)
-    return y.to(x.dtype) if atomic else y
+    if split > 1:
+        _split_k_reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK_N))](
+            out, bias_arg, y, n, split, m * n, n, n, HAS_BIAS=bias is not None, BLOCK_N=REDUCE_BLOCK_N,
+            num_warps=REDUCE_NUM_WARPS)
+    return y
 
 
 def w4a16_gemm(
@@ -484,23 +507,23 @@ def launch_specs(dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> list[Lau
     for dt in dtypes:
         f = "*" + TRITON_DTYPE[dt]
         base = {"x_ptr": f, "qw_ptr": "*i32", "s_ptr": f, "z_ptr": f, "bias_ptr": f}
-        ints = ["M", "N", "stride_xm", "stride_qn", "stride_sg", "stride_ym"]
+        ints = ["M", "N", "stride_xm", "stride_qn", "stride_sg", "stride_ym", "stride_ys"]
         for cfg in GEMV_CONFIGS:
             for block_m in sorted({next_pow2(m) for m in range(1, GEMV_MAX_M + 1)}):
-                for atomic in (False, True):
-                    sig = {**base, "y_ptr": "*fp32" if atomic else f, **{i: "i32" for i in ints},
+                for split in (False, True):
+                    sig = {**base, "y_ptr": "*fp32" if split else f, **{i: "i32" for i in ints},
                            "num_groups": "i32", "groups_per_split": "i32", "nibble_mask": "i32"}
                     ce = {"GROUP_SIZE": cfg.group_size, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "HAS_BIAS": True,
-                              "ATOMIC": atomic}
+                          "SPLIT": split}
                     specs.append(LaunchSpec(f"w4a16_gemv[{dt}]", _w4a16_gemv_kernel, {**sig, **dict.fromkeys(ce, "constexpr")},
                                             ce, cfg.num_warps, cfg.num_stages))
         for tcfg in dict.fromkeys(TILED_CONFIGS + TILED_CONFIGS_PRE_HOPPER):
             for g in SUPPORTED_GROUP_SIZES:
-                for atomic in (False, True):
-                    sig = {**base, "y_ptr": "*fp32" if atomic else f, **{i: "i32" for i in ints},
+                for split in (False, True):
+                    sig = {**base, "y_ptr": "*fp32" if split else f, **{i: "i32" for i in ints},
                            "num_k_steps": "i32", "steps_per_split": "i32", "nibble_mask": "i32"}
                     ce = {"GROUP_SIZE": g, "BLOCK_M": tcfg.block_m, "BLOCK_N": tcfg.block_n, "BLOCK_K": min(tcfg.block_k, g),
-                              "HAS_BIAS": True, "ATOMIC": atomic, "UPCAST_DOT": False}
+                          "HAS_BIAS": True, "SPLIT": split, "UPCAST_DOT": False}
                     specs.append(LaunchSpec(f"w4a16_tiled[{dt}]", _w4a16_tiled_kernel,
                                             {**sig, **dict.fromkeys(ce, "constexpr")}, ce, tcfg.num_warps,
                                             tcfg.num_stages))
@@ -509,4 +532,8 @@ def launch_specs(dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> list[Lau
             sig = {"qw_ptr": "*i32", "s_ptr": f, "z_ptr": f, "w_ptr": f, "N": "i32", "K": "i32", "stride_qn": "i32",
                    "stride_sg": "i32", "stride_wn": "i32", "nibble_mask": "i32", **dict.fromkeys(ce, "constexpr")}
             specs.append(LaunchSpec(f"w4_dequant[{dt}]", _w4_dequant_kernel, sig, ce, DEQUANT_NUM_WARPS, 1))
+        ce = {"HAS_BIAS": True, "BLOCK_N": REDUCE_BLOCK_N}
+        sig = {"ws_ptr": "*fp32", "bias_ptr": f, "y_ptr": f, "N": "i32", "num_splits": "i32", "stride_ws": "i32",
+               "stride_wm": "i32", "stride_ym": "i32", **dict.fromkeys(ce, "constexpr")}
+        specs.append(LaunchSpec(f"w4a16_split_k_reduce[{dt}]", _split_k_reduce_kernel, sig, ce, REDUCE_NUM_WARPS, 1))
     return specs
