@@ -122,8 +122,62 @@ def run_lightinfer(args: argparse.Namespace, requests: list[Request], b1_prompt:
         "dtype": str(runner.dtype).replace("torch.", ""),
         **_peak_memory(device),
     }
+    if args.profile_steps:
+        prof = result["batch1"]["profile"] = profile_decode(engine, b1_prompt, args.profile_steps)
+        busy = f", device busy {prof['device_busy_ms']:.3f} ms, {prof['kernels_per_step']:.0f} kernels" \
+            if prof["device_busy_ms"] is not None else ""
+        print(f"batch-1 decode step {prof['step_ms']:.3f} ms{busy}; by time per step:", flush=True)
+        for r in prof["top"][:10]:
+            print(f"  {r['us_per_step']:9.1f} us {r['share']:6.1%} {r['calls_per_step']:6.1f}x  {r['name'][:90]}")
     del llm, engine, runner, outs
     _free_memory()
+    return result
+
+
+def profile_decode(engine: object, prompt_ids: list[int], steps: int, top: int = 15) -> dict:
+    """``steps`` batch-1 decode steps of ``engine`` (an ``LLMEngine``) under ``torch.profiler``: where a step's
+    time goes. Prefill runs before the profile starts.
+
+    Returns:
+        ``step_ms`` (wall time per step, synchronised), ``device_busy_ms`` (kernel time per step; CUDA only),
+        ``kernels_per_step``, and the ``top`` kernels (or CPU ops without CUDA) by time per step:
+        ``name``, ``calls_per_step``, ``us_per_step``, ``share`` of the device time. A step much longer than
+        its kernels is launch- or host-bound; a kernel far below the bandwidth shows in its line.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    from lightinfer import SamplingParams
+
+    cuda = engine.model_runner.device.type == "cuda"
+    engine.add_request("profile-decode", list(prompt_ids),
+                       SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
+    engine.step()  # prefill (and the first token) outside the profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync()
+    with profile(activities=activities) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync()
+        wall = time.perf_counter() - t
+    while engine.has_unfinished_requests():
+        engine.step()
+    rows: dict[str, list[float]] = {}
+    for e in prof.events():
+        on_device = getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+        if on_device == cuda and (cuda or e.cpu_parent is None):  # CPU: top-level ops only, no double count
+            entry = rows.setdefault(e.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.device_time_total if cuda else e.cpu_time_total
+    busy = sum(us for _, us in rows.values())
+    ranked = sorted(rows.items(), key=lambda kv: -kv[1][1])[:top]
+    result = {
+        "steps": steps, "step_ms": wall / steps * 1e3,
+        "kernels_per_step": sum(n for n, _ in rows.values()) / steps if cuda else None,
+        "device_busy_ms": busy / steps / 1e3 if cuda else None,
+        "top": [{"name": name[:120], "calls_per_step": n / steps, "us_per_step": us / steps,
+                 "share": us / busy if busy else 0.0} for name, (n, us) in ranked],
+    }
     return result
 
 
@@ -235,6 +289,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch1-prompt-len", type=int, default=128)
     ap.add_argument("--batch1-output-len", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile-steps", type=int, default=32,
+                    help="batch-1 decode steps to profile (where a step's time goes); 0: none")
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--hf-num-prompts", type=int, default=None, help="time HF on the first N requests only")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
@@ -248,7 +304,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, value, least in (("--num-prompts", args.num_prompts, 1), ("--hf-batch-size", args.hf_batch_size, 1),
                                ("--batch1-prompt-len", args.batch1_prompt_len, 1),
                                ("--batch1-output-len", args.batch1_output_len, 2),
-                               ("--hf-num-prompts", args.hf_num_prompts or 1, 1)):
+                               ("--hf-num-prompts", args.hf_num_prompts or 1, 1),
+                               ("--profile-steps", args.profile_steps + 1, 1)):
         if value < least:
             ap.error(f"{flag} must be >= {least}, got {value}")
     return args
@@ -268,7 +325,8 @@ def preflight(args: argparse.Namespace) -> tuple[int, int, bool]:
     ckpt = Checkpoint(args.model, read_weights=False)
     hf = ckpt.hf_config
     max_len = args.max_model_len or min(int(getattr(hf, "max_position_embeddings", 8192)), 8192)
-    longest = max(args.input_len[1] + args.output_len[1], args.batch1_prompt_len + args.batch1_output_len)
+    longest = max(args.input_len[1] + args.output_len[1], args.batch1_prompt_len + args.batch1_output_len,
+                  args.batch1_prompt_len + args.profile_steps + 2)
     if longest > max_len:
         raise ValueError(f"a request can reach {longest} tokens (prompt + output) but the model runs with "
                          f"max_model_len={max_len}: shorten --input-len/--output-len or raise --max-model-len")

@@ -40,7 +40,7 @@ def test_e2e_tiny_dummy_model_on_cpu(tmp_path) -> None:
     result = e2e.main([str(tmp_path / "tiny"), "--dummy-weights", "--quantization", "awq", "--kv-cache-dtype", "int8",
                        "--num-prompts", "6", "--input-len", "8", "40", "--output-len", "4", "20",
                        "--batch1-prompt-len", "16", "--batch1-output-len", "12", "--hf-batch-size", "4",
-                       "--kv-cache-memory", "16MiB", "--out-dir", str(tmp_path / "out")])
+                       "--kv-cache-memory", "16MiB", "--profile-steps", "5", "--out-dir", str(tmp_path / "out")])
     saved = json.loads((tmp_path / "out" / "e2e_tiny.json").read_text())
     assert saved["ratios"] == result["ratios"]
     ours, hf = saved["lightinfer"], saved["transformers"]
@@ -49,6 +49,10 @@ def test_e2e_tiny_dummy_model_on_cpu(tmp_path) -> None:
     ratio = ours["throughput"]["output_tokens_per_s"] / hf["throughput"]["output_tokens_per_s"]
     assert saved["ratios"]["throughput_output_tokens"] == pytest.approx(ratio)
     assert (tmp_path / "out" / "e2e_tiny.png").stat().st_size > 1000
+    prof = ours["batch1"]["profile"]  # CPU: top-level ops by CPU time, no kernel counts
+    assert prof["steps"] == 5 and prof["step_ms"] > 0 and prof["kernels_per_step"] is None
+    assert prof["top"] and all(r["us_per_step"] > 0 and r["calls_per_step"] > 0 for r in prof["top"])
+    assert sum(r["share"] for r in prof["top"]) <= 1.0 + 1e-9
 
 
 def test_memory_table_computed(tmp_path) -> None:
