@@ -135,9 +135,27 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(hf_config, layer_idx, quant_config, dtype)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        attn_out = self.self_attn(positions, self.input_layernorm(hidden_states))
-        normed, residual = self.post_attention_layernorm(attn_out, hidden_states)
-        return residual + self.mlp(normed)
+        """positions ``[T]``, hidden ``[T, hidden]`` -> the block's output ``[T, hidden]`` (residual added)."""
+        out, residual = self.forward_fused(positions, hidden_states, None)
+        return residual + out
+
+    def forward_fused(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block with its last residual add left to the next norm (as vLLM does).
+
+        The stream entering the block is ``hidden_states + residual`` (``hidden_states`` alone when
+        ``residual`` is None); the input norm adds them in the same kernel. Returns ``(mlp_out,
+        residual)``, whose sum is the block's output: the next block's input norm, or the final norm,
+        adds them, which saves a separate add kernel per layer on the GPU.
+        """
+        if residual is None:
+            normed, residual = self.input_layernorm(hidden_states), hidden_states
+        else:
+            normed, residual = self.input_layernorm(hidden_states, residual)
+        attn_out = self.self_attn(positions, normed)
+        normed, residual = self.post_attention_layernorm(attn_out, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -162,9 +180,12 @@ class LlamaModel(nn.Module):
         """ids ``[T]`` (or ``inputs_embeds [T, hidden]``, already embedded), positions ``[T]``
         -> ``[T, hidden]``."""
         hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            hidden = layer(positions, hidden)
-        return self.norm(hidden)
+            hidden, residual = layer.forward_fused(positions, hidden, residual)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
