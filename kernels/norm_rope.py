@@ -41,21 +41,47 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, stride
 
 
 @triton.jit
+def _rotate_heads(x_row, o_row, num_heads, stride_h, stride_oh, half, c, s, offs_c, c_mask, BLOCK_H: tl.constexpr):
+    """Rotate-half one token's ``[num_heads, 2 * half]`` heads at ``x_row`` into ``o_row``; ``c``, ``s``
+    ``[1, BLOCK_HALF]`` fp32."""
+    offs_h = tl.arange(0, BLOCK_H)
+    mask = (offs_h[:, None] < num_heads) & c_mask[None, :]
+    base = x_row + offs_h[:, None] * stride_h + offs_c[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + half, mask=mask, other=0.0).to(tl.float32)
+    obase = o_row + offs_h[:, None] * stride_oh + offs_c[None, :]
+    tl.store(obase, (x1 * c - x2 * s).to(o_row.dtype.element_ty), mask=mask)
+    tl.store(obase + half, (x2 * c + x1 * s).to(o_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, half, stride_xt, stride_xh, stride_ot, stride_oh,
                    stride_ct, stride_st, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_HALF)
     c_mask = offs_c < half
-    mask = (offs_h[:, None] < num_heads) & c_mask[None, :]
     c = tl.load(cos_ptr + t * stride_ct + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + t * stride_st + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
-    base = x_ptr + t * stride_xt + offs_h[:, None] * stride_xh + offs_c[None, :]
-    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + half, mask=mask, other=0.0).to(tl.float32)
-    obase = out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_c[None, :]
-    tl.store(obase, (x1 * c - x2 * s).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(obase + half, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)
+    _rotate_heads(x_ptr + t * stride_xt, out_ptr + t * stride_ot, num_heads, stride_xh, stride_oh, half, c, s,
+                  offs_c, c_mask, BLOCK_H)
+
+
+@triton.jit
+def _rotary_qk_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, num_q_heads, num_k_heads, half,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
+                      stride_cp, stride_sp, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                      BLOCK_HALF: tl.constexpr):
+    # One program per token: cos/sin read from the tables at the token's position, q and k rotated.
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_c = tl.arange(0, BLOCK_HALF)
+    c_mask = offs_c < half
+    c = tl.load(cos_ptr + pos * stride_cp + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + pos * stride_sp + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    _rotate_heads(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, num_q_heads, stride_qh, stride_qoh, half, c, s,
+                  offs_c, c_mask, BLOCK_HQ)
+    _rotate_heads(k_ptr + t * stride_kt, ko_ptr + t * stride_kot, num_k_heads, stride_kh, stride_koh, half, c, s,
+                  offs_c, c_mask, BLOCK_HK)
 
 
 @triton.jit
@@ -159,6 +185,48 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out
 
 
+def rotary_qk(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k at ``positions`` in one launch, reading ``cos_cache``/``sin_cache`` in the kernel
+    (:func:`apply_rotary` on both with the gathered tables took four launches per layer).
+
+    Args:
+        positions: int32/int64 ``[T]``, each below ``cos_cache.shape[0]`` (not checked: that would sync).
+        q: float ``[T, Hq, D]``; k: float ``[T, Hk, D]`` (D even), stride 1 on D, same dtype.
+        cos_cache, sin_cache: float ``[max_position, D // 2]``, stride 1 on the last dim.
+    Returns:
+        New ``(q_rot, k_rot)`` in q's dtype and shapes.
+    Raises:
+        ValueError: on bad shapes, dtypes, strides or devices.
+    """
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[2] % 2 \
+            or q.dtype not in FLOAT_DTYPES or k.dtype != q.dtype:
+        raise ValueError(f"rotary_qk: q [T, Hq, D] and k [T, Hk, D] (D even, one float dtype), got "
+                         f"{tuple(q.shape)} {q.dtype} / {tuple(k.shape)} {k.dtype}")
+    t, hq, d = q.shape
+    half = d // 2
+    if positions.shape != (t,) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"rotary_qk: positions must be int32/int64 [{t}], got {tuple(positions.shape)} "
+                         f"{positions.dtype}")
+    for name, c in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
+        if c.dim() != 2 or c.shape[1] != half or c.dtype not in FLOAT_DTYPES or c.stride(1) != 1:
+            raise ValueError(f"rotary_qk: {name} must be float [max_position, {half}] with stride 1, got "
+                             f"{tuple(c.shape)} {c.dtype}")
+    check_device("rotary_qk", q, k, positions, cos_cache, sin_cache)
+    q = q if q.stride(2) == 1 else q.contiguous()
+    k = k if k.stride(2) == 1 else k.contiguous()
+    q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if t:
+        bq, bk, bh = next_pow2(hq), next_pow2(k.shape[1]), next_pow2(half)
+        _rotary_qk_kernel[(t,)](q, k, positions, cos_cache, sin_cache, q_out, k_out, hq, k.shape[1], half,
+                                q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
+                                k_out.stride(0), k_out.stride(1), cos_cache.stride(0), sin_cache.stride(0),
+                                BLOCK_HQ=bq, BLOCK_HK=bk, BLOCK_HALF=bh, num_warps=_warps(bq * bh))
+    return q_out, k_out
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``x [..., 2 I]`` -> ``silu(x[..., :I]) * x[..., I:]`` in fp32, returned in ``x.dtype``.
 
@@ -194,6 +262,14 @@ def launch_specs() -> list[LaunchSpec]:
                **dict.fromkeys(["num_heads", "half", "stride_xt", "stride_xh", "stride_ot", "stride_oh", "stride_ct",
                                 "stride_st"], "i32"), **dict.fromkeys(ce, "constexpr")}
         specs.append(LaunchSpec("rotary", _rotary_kernel, sig, ce, _warps(ce["BLOCK_H"] * ce["BLOCK_HALF"]), 1))
+    for hq, hk, d in ((32, 32, 128), (32, 8, 128), (9, 3, 64)):
+        ce = {"BLOCK_HQ": next_pow2(hq), "BLOCK_HK": next_pow2(hk), "BLOCK_HALF": d // 2}
+        sig = {"q_ptr": "*fp16", "k_ptr": "*fp16", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+               "qo_ptr": "*fp16", "ko_ptr": "*fp16",
+               **dict.fromkeys(["num_q_heads", "num_k_heads", "half", "stride_qt", "stride_qh", "stride_kt", "stride_kh",
+                                "stride_qot", "stride_qoh", "stride_kot", "stride_koh", "stride_cp", "stride_sp"], "i32"),
+               **dict.fromkeys(ce, "constexpr")}
+        specs.append(LaunchSpec("rotary_qk", _rotary_qk_kernel, sig, ce, _warps(ce["BLOCK_HQ"] * ce["BLOCK_HALF"]), 1))
     sig = {"x_ptr": "*" + TRITON_DTYPE[torch.float16], "out_ptr": "*fp16", "inter": "i32", "stride_x": "i32",
            "stride_o": "i32", "BLOCK": "constexpr"}
     specs.append(LaunchSpec("silu_and_mul", _silu_and_mul_kernel, sig, {"BLOCK": SILU_BLOCK}, 4, 1))

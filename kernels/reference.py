@@ -459,6 +459,15 @@ def apply_rotary(
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
+def rotary_qk(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`apply_rotary` of q ``[T, Hq, D]`` and k ``[T, Hk, D]`` with ``cos_cache``/``sin_cache``
+    ``[max_position, D // 2]`` gathered at ``positions [T]``."""
+    cos, sin = cos_cache[positions], sin_cache[positions]
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``x [..., 2 I]`` -> ``silu(x[..., :I]) * x[..., I:]``."""
     half = x.shape[-1] // 2

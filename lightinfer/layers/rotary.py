@@ -67,7 +67,4 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions ``[T]``; q ``[T, H, D]``, k ``[T, Hkv, D]`` -> rotated q, k (same shapes/dtypes)."""
-        cos = self.cos_cache[positions]
-        sin = self.sin_cache[positions]
-        ops = ops_for(q)
-        return ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
+        return ops_for(q).rotary_qk(positions, q, k, self.cos_cache, self.sin_cache)

@@ -52,6 +52,38 @@ def test_apply_rotary_strided_q_slice() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pos_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("tokens,hq,hk,head_dim", [(1, 1, 1, 16), (6, 9, 3, 64), (3, 4, 4, 80), (0, 4, 2, 32)])
+def test_rotary_qk_matches_gathered_apply_rotary(dtype: torch.dtype, pos_dtype: torch.dtype, tokens: int, hq: int,
+                                                 hk: int, head_dim: int) -> None:
+    """q and k rotated in one launch, tables read at the positions in the kernel: the same as
+    gathering the tables and rotating each; q and k are strided views of one fused qkv output."""
+    qkv = torch.randn(tokens, (hq + 2 * hk) * head_dim).to(dtype)
+    q = qkv[:, :hq * head_dim].reshape(tokens, hq, head_dim)
+    k = qkv[:, hq * head_dim:(hq + hk) * head_dim].reshape(tokens, hk, head_dim)
+    freqs = torch.arange(100).float().unsqueeze(1) * 10000.0 ** (-torch.arange(head_dim // 2).float() / (head_dim // 2))
+    cos_cache, sin_cache = freqs.cos(), freqs.sin()
+    positions = torch.randint(0, 100, (tokens,)).to(pos_dtype)  # chunked prefill / decode: any positions
+    q0, k0 = q.clone(), k.clone()
+    got_q, got_k = nr.rotary_qk(positions, q, k, cos_cache, sin_cache)
+    want_q, want_k = ref.rotary_qk(positions, q, k, cos_cache, sin_cache)
+    torch.testing.assert_close(got_q.float(), want_q.float(), **TOL[dtype])
+    torch.testing.assert_close(got_k.float(), want_k.float(), **TOL[dtype])
+    assert got_q.shape == q.shape and got_k.shape == k.shape and torch.equal(q, q0) and torch.equal(k, k0)
+
+
+def test_rotary_qk_validation_errors() -> None:
+    q, k, c = torch.randn(2, 4, 8), torch.randn(2, 2, 8), torch.randn(10, 4)
+    pos = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="positions"):
+        nr.rotary_qk(pos.float(), q, k, c, c)
+    with pytest.raises(ValueError, match="q \\[T, Hq, D\\]"):
+        nr.rotary_qk(pos, q, torch.randn(2, 2, 6), c, c)
+    with pytest.raises(ValueError, match="cos_cache"):
+        nr.rotary_qk(pos, q, k, torch.randn(10, 3), c)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 2), (3, 2 * 1100), (2, 3, 2 * 72)])
 def test_silu_and_mul(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     x = (torch.randn(shape) * 4).to(dtype)
