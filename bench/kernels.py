@@ -151,6 +151,16 @@ def bench_gemm(quick: bool, oracle_dir: Path, m_values: list[int]) -> list[dict[
     return rows
 
 
+def _weight_copies(k: int, n: int) -> tuple[list[tuple[torch.Tensor, ...]], int]:
+    """Random W4 run-time weights ``(qweight, scales, zeros)`` for ``[K, N]``, in as many copies as
+    rotate past the L2 cache (:func:`copies_for`), and that number."""
+    qweight = torch.randint(-2**31, 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int32)
+    scales = torch.rand(k // GROUP_SIZE, n, device="cuda").half() * 0.01
+    zeros = torch.full((k // GROUP_SIZE, n), 8.0, device="cuda").half()
+    nw = copies_for(n * k // 2)
+    return [(qweight.clone(), scales.clone(), zeros.clone()) for _ in range(nw)], nw
+
+
 def bench_split_sweep(quick: bool) -> list[dict[str, Any]]:
     """µs of the GEMV / tiled paths at forced split-K factors: data for ``w4a16_gemm._split_k``."""
     from lightinfer.kernels import w4a16_gemm as wg
@@ -158,11 +168,7 @@ def bench_split_sweep(quick: bool) -> list[dict[str, Any]]:
     rows = []
     for name in ("llama2-7b/qkv", "llama2-7b/o", "llama3-8b/down"):
         k, n = LINEAR_SHAPES[name]
-        qweight = torch.randint(-2**31, 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int32)
-        scales = torch.rand(k // GROUP_SIZE, n, device="cuda").half() * 0.01
-        zeros = torch.full((k // GROUP_SIZE, n), 8.0, device="cuda").half()
-        nw = copies_for(n * k // 2)
-        sets = [(qweight.clone(), scales.clone(), zeros.clone()) for _ in range(nw)]
+        sets, nw = _weight_copies(k, n)
         for path, m_list in (("gemv", (1, 2)), ("tiled", (16, 64))):
             for m in m_list:
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16)
@@ -171,7 +177,7 @@ def bench_split_sweep(quick: bool) -> list[dict[str, Any]]:
                     row[f"split{split}_us"] = bench_us(
                         lambda x=x, p=path, sk=split, ws=sets: [wg.w4a16_gemm_path(x, *w, path=p, split_k=sk)
                                                                 for w in ws], quick, nw)
-                row["auto_split"] = wg.pick_split_k(m, n, k, k // scales.shape[0], path, x.device)
+                row["auto_split"] = wg.pick_split_k(m, n, k, GROUP_SIZE, path, x.device)
                 rows.append(row)
                 print("split sweep", row, flush=True)
     return rows
@@ -191,11 +197,7 @@ def bench_gemv_tile_sweep(quick: bool) -> list[dict[str, Any]]:
     try:
         for name in ("llama2-7b/qkv", "llama2-7b/o", "llama3-8b/gate_up", "llama3-8b/down"):
             k, n = LINEAR_SHAPES[name]
-            qweight = torch.randint(-2**31, 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int32)
-            scales = torch.rand(k // GROUP_SIZE, n, device="cuda").half() * 0.01
-            zeros = torch.full((k // GROUP_SIZE, n), 8.0, device="cuda").half()
-            nw = copies_for(n * k // 2)
-            sets = [(qweight.clone(), scales.clone(), zeros.clone()) for _ in range(nw)]
+            sets, nw = _weight_copies(k, n)
             for m in (1, 2):
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16)
                 row: dict[str, Any] = {"shape": name, "M": m, "configured_block_n": base.block_n}

@@ -55,13 +55,20 @@ def _rotate_heads(x_row, o_row, num_heads, stride_h, stride_oh, half, c, s, offs
 
 
 @triton.jit
+def _cos_sin_rows(cos_row, sin_row, half, BLOCK_HALF: tl.constexpr):
+    """One table row each -> ``(cos [1, BLOCK_HALF] fp32, sin, offs_c, c_mask)``."""
+    offs_c = tl.arange(0, BLOCK_HALF)
+    c_mask = offs_c < half
+    c = tl.load(cos_row + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_row + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    return c, s, offs_c, c_mask
+
+
+@triton.jit
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, half, stride_xt, stride_xh, stride_ot, stride_oh,
                    stride_ct, stride_st, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    offs_c = tl.arange(0, BLOCK_HALF)
-    c_mask = offs_c < half
-    c = tl.load(cos_ptr + t * stride_ct + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + t * stride_st + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    c, s, offs_c, c_mask = _cos_sin_rows(cos_ptr + t * stride_ct, sin_ptr + t * stride_st, half, BLOCK_HALF)
     _rotate_heads(x_ptr + t * stride_xt, out_ptr + t * stride_ot, num_heads, stride_xh, stride_oh, half, c, s,
                   offs_c, c_mask, BLOCK_H)
 
@@ -74,10 +81,7 @@ def _rotary_qk_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, n
     # One program per token: cos/sin read from the tables at the token's position, q and k rotated.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    offs_c = tl.arange(0, BLOCK_HALF)
-    c_mask = offs_c < half
-    c = tl.load(cos_ptr + pos * stride_cp + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + pos * stride_sp + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    c, s, offs_c, c_mask = _cos_sin_rows(cos_ptr + pos * stride_cp, sin_ptr + pos * stride_sp, half, BLOCK_HALF)
     _rotate_heads(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, num_q_heads, stride_qh, stride_qoh, half, c, s,
                   offs_c, c_mask, BLOCK_HQ)
     _rotate_heads(k_ptr + t * stride_kt, ko_ptr + t * stride_kot, num_k_heads, stride_kh, stride_koh, half, c, s,
