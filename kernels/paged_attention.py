@@ -53,6 +53,7 @@ PREFILL_BLOCK_M = 64
 REDUCE_NUM_WARPS = 4
 HEAD_DIMS = (64, 128, 256)  # head sizes the smem check compiles
 GQA_GROUPS = (1, 4, 8)
+ENGINE_BLOCK_SIZES = (8, 16, 32)  # KV block sizes EngineConfig accepts
 
 
 def _config(configs: list[AttnConfig], head_dim: int) -> AttnConfig:
@@ -455,34 +456,39 @@ def paged_attention_prefill(
 
 
 def launch_specs() -> list[LaunchSpec]:
-    """Kernel variants for the smem check: fp16 queries, fp16 and int8 caches, head sizes, GQA groups."""
+    """Kernel variants for the smem check: fp16 queries, fp16 and int8 caches, head sizes, GQA groups; the
+    engine's KV block sizes for int8 caches (their page gather's tile depends on it), 16 for fp16."""
     specs: list[LaunchSpec] = []
     cache_ints = ["stride_cb", "stride_co", "stride_ch", "stride_sb", "stride_so", "stride_sh"]
     for cache_dt in (torch.float16, torch.int8):
         c = "*" + TRITON_DTYPE[cache_dt]
+        quant = cache_dt == torch.int8
         ptrs = {"kc_ptr": c, "vc_ptr": c, "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "*fp16", "vz_ptr": "*fp16"}
-        for d in HEAD_DIMS:
-            dc = _config(DECODE_CONFIGS, d)
-            for group in GQA_GROUPS:
-                for split in (False, True):
-                    ce = {"GROUP": group, "BLOCK_G": max(16, next_pow2(group)), "BLOCK_N": dc.block_n, "BLOCK_D": d,
-                              "QUANT": cache_dt == torch.int8, "SPLIT": split, "UPCAST_DOT": False, "BLOCK_SIZE": 16}
-                    sig = {"q_ptr": "*fp16", **ptrs, "bt_ptr": "*i32", "ctx_ptr": "*i32", "out_ptr": "*fp16",
-                           "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qk_scale": "fp32",
-                           **dict.fromkeys(["head_dim", "partition_size", "max_splits", "stride_qs",
-                                            "stride_qh", "stride_os", "stride_oh", "stride_bts", *cache_ints], "i32"),
-                           **dict.fromkeys(ce, "constexpr")}
-                    specs.append(LaunchSpec(f"attn_decode[{cache_dt}]", _decode_kernel, sig, ce, dc.num_warps,
-                                            dc.num_stages))
-            pc = _config(PREFILL_INT8_CONFIGS if cache_dt == torch.int8 else PREFILL_CONFIGS, d)
-            ce = {"GROUP": 4, "BLOCK_M": PREFILL_BLOCK_M, "BLOCK_N": pc.block_n, "BLOCK_D": d, "QUANT": cache_dt == torch.int8,
-                      "UPCAST_DOT": False, "BLOCK_SIZE": 16}
-            sig = {"q_ptr": "*fp16", **ptrs, "cu_ptr": "*i32", "ctx_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*fp16",
-                   "qk_scale": "fp32",
-                   **dict.fromkeys(["head_dim", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
-                                    "stride_bts", *cache_ints], "i32"),
-                   **dict.fromkeys(ce, "constexpr")}
-            specs.append(LaunchSpec(f"attn_prefill[{cache_dt}]", _prefill_kernel, sig, ce, pc.num_warps, pc.num_stages))
+        for block_size in ENGINE_BLOCK_SIZES if quant else (16,):
+            for d in HEAD_DIMS:
+                dc = _config(DECODE_CONFIGS, d)
+                for group in GQA_GROUPS:
+                    for split in (False, True):
+                        ce = {"GROUP": group, "BLOCK_G": max(16, next_pow2(group)), "BLOCK_N": dc.block_n,
+                              "BLOCK_D": d, "QUANT": quant, "SPLIT": split, "UPCAST_DOT": False,
+                              "BLOCK_SIZE": block_size}
+                        sig = {"q_ptr": "*fp16", **ptrs, "bt_ptr": "*i32", "ctx_ptr": "*i32", "out_ptr": "*fp16",
+                               "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qk_scale": "fp32",
+                               **dict.fromkeys(["head_dim", "partition_size", "max_splits", "stride_qs", "stride_qh",
+                                                "stride_os", "stride_oh", "stride_bts", *cache_ints], "i32"),
+                               **dict.fromkeys(ce, "constexpr")}
+                        specs.append(LaunchSpec(f"attn_decode[{cache_dt}]", _decode_kernel, sig, ce, dc.num_warps,
+                                                dc.num_stages))
+                pc = _config(PREFILL_INT8_CONFIGS if quant else PREFILL_CONFIGS, d)
+                ce = {"GROUP": 4, "BLOCK_M": PREFILL_BLOCK_M, "BLOCK_N": pc.block_n, "BLOCK_D": d, "QUANT": quant,
+                      "UPCAST_DOT": False, "BLOCK_SIZE": block_size}
+                sig = {"q_ptr": "*fp16", **ptrs, "cu_ptr": "*i32", "ctx_ptr": "*i32", "bt_ptr": "*i32",
+                       "out_ptr": "*fp16", "qk_scale": "fp32",
+                       **dict.fromkeys(["head_dim", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
+                                        "stride_bts", *cache_ints], "i32"),
+                       **dict.fromkeys(ce, "constexpr")}
+                specs.append(LaunchSpec(f"attn_prefill[{cache_dt}]", _prefill_kernel, sig, ce, pc.num_warps,
+                                        pc.num_stages))
     for d in HEAD_DIMS:
         for bs in (2, 16, 64):
             ce = {"BLOCK_S": bs, "BLOCK_D": d}

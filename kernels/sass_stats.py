@@ -140,7 +140,8 @@ def collect(arch: int = 90) -> list[dict[str, Any]]:
             rows.append(loop_stats(spec, arch, ce["BLOCK_N"] * ce["BLOCK_K"] / threads, "weight"))
     for spec in paged_attention.launch_specs():
         ce = spec.constexprs
-        if spec.name.startswith("attn_decode[") and ce["BLOCK_D"] == 128 and ce["GROUP"] == 4 and not ce["SPLIT"]:
+        if (spec.name.startswith("attn_decode[") and ce["BLOCK_D"] == 128 and ce["GROUP"] == 4 and not ce["SPLIT"]
+                and ce["BLOCK_SIZE"] == 16):
             cache_bytes = 2 * ce["BLOCK_N"] * ce["BLOCK_D"] * (1 if ce["QUANT"] else 2)  # K and V tiles
             # The engine's INT8 scales are head-major on GPUs: a head's tokens are 1 apart (Triton folds 1).
             one = ("stride_so",) if ce["QUANT"] else ()

@@ -9,9 +9,9 @@ Weights are in the run-time layout of :mod:`lightinfer.kernels.reference`::
 Three paths, picked by M (see ``GEMV_MAX_M`` / ``TILED_MAX_M``):
 
 * ``gemv``   (decode, M tiny): memory-bound. Each program owns ``BLOCK_N`` output rows and a
-  slice of the K groups (split-K), unpacks every weight word once into fp32 registers and
-  reuses it for all M rows. Per group it accumulates ``s * (sum_k x q - z * sum_k x)``, so
-  the zero point and scale cost nothing per weight.
+  slice of the K groups (split-K). It works on the packed words one nibble position at a time:
+  per weight one LOP3 and one FADD decode ``q - z`` exactly (:func:`_unpack_minus_zero` says how)
+  and one FFMA per row of x accumulates it; the scale is applied once per group and row.
 * ``tiled``  (M up to a few hundred): tensor cores. ``[BLOCK_N, BLOCK_K]`` weight tiles are
   dequantized in registers and fed to ``tl.dot`` with fp32 accumulation; split-K when the
   M x N grid alone would leave SMs idle.
@@ -68,7 +68,9 @@ class TiledConfig:
     num_stages: int
 
 
-# ~8K unpacked fp32 weights per program per step (64 registers/thread at 4 warps) whatever G is.
+# BLOCK_N x G = 8K weights per program and step whatever G is (64 per thread at 4 warps). Larger tiles
+# need fewer instructions per weight but more registers and fewer programs: bench/kernels.py's
+# gemv_tile_sweep times the choices (not yet run on a GPU for the current kernel).
 GEMV_CONFIGS: list[GemvConfig] = [
     GemvConfig(group_size=32, block_n=256, num_warps=4, num_stages=3),
     GemvConfig(group_size=64, block_n=128, num_warps=4, num_stages=3),
@@ -115,13 +117,14 @@ def _unpack_minus_zero(words, z, nibble_mask, BLOCK_K: tl.constexpr):
 
     ``tl.interleave`` (join + reshape) keeps the copies of a word in the thread that loaded it, so
     unpacking needs no shuffles or shared memory (a 3-D ``[R, W, 8]`` broadcast spreads the nibble
-    axis over lanes: on an H200 the tiled path at M=4096 went from ~3.1 to ~1.1 ms, and the GEMV of
-    the time from ~60 to ~31 µs, when interleaving replaced it).
+    axis over lanes: on an H200 the tiled path at M=4096 went from ~3.1 to ~1.1 ms when interleaving
+    replaced it).
 
     No int->float conversion (I2F runs at a quarter rate on sm_80..sm_90) and no shift per nibble:
     a nibble at bit ``p`` is masked in place and OR-ed with the exponent of ``2^(23 - p)``, whose
     mantissa unit is then ``2^-p``: the float is exactly ``2^(23 - p) + q``. Subtracting
-    ``2^(23 - p) + z`` (exact: both are integers below 2^24) gives ``q - z`` in one FADD. The
+    ``2^(23 - p) + z`` (exact for an integer z in 0..15: both are integers below 2^24; a
+    fractional z would be rounded) gives ``q - z`` in one FADD. The
     mantissa has 23 bits, so nibbles 0-4 (bits 0..19) are read in place and nibbles 5-7 after one
     shift of the word by 12 (bits 8..19). Per weight: one LOP3 and one FADD in SASS
     (``python -m lightinfer.kernels.sass_stats`` counts them).
@@ -340,8 +343,11 @@ def gemv_config(group_size: int) -> GemvConfig:
 
 
 def tiled_configs(device: torch.device) -> list[TiledConfig]:
-    """:data:`TILED_CONFIGS` on Hopper and the CPU interpreter, :data:`TILED_CONFIGS_PRE_HOPPER` on older GPUs."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+    """:data:`TILED_CONFIGS` on sm_90/sm_100 and the CPU interpreter, :data:`TILED_CONFIGS_PRE_HOPPER` on
+    other GPUs (sm_80/86/89 and sm_120)."""
+    # wgmma (sm_90) and tcgen05 (sm_100) keep accumulators out of the way; everything else, consumer
+    # Blackwell (sm_120) included, multiplies with mma.sync from registers like sm_80.
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] not in (9, 10):
         return TILED_CONFIGS_PRE_HOPPER
     return TILED_CONFIGS
 
@@ -488,7 +494,9 @@ def w4a16_gemm(
     Args:
         x: ``[M, K]`` float16/bfloat16 (float32 accepted for the CPU interpreter), stride 1 along K.
         qweight: int32 ``[N, K // 8]`` contiguous, run-time layout (module docstring).
-        scales, zeros: float ``[K // G, N]`` contiguous, G in 32/64/128.
+        scales, zeros: float ``[K // G, N]`` contiguous, G in 32/64/128. Zero points are integers in
+            0..15 (AWQ's, as ``repack_awq_to_runtime`` makes them); the kernels subtract them exactly
+            but would round a fractional one (not checked: it would need a device sync).
         bias: optional float ``[N]``.
     Returns:
         ``[M, N]`` in ``x.dtype``.

@@ -90,6 +90,24 @@ def test_int8_whole_page_and_fallback_gathers(block_size: int) -> None:
     torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
 
 
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_int8_head_dim_256(block_size: int) -> None:
+    """The 32-key decode and 16-key INT8 prefill tiles of head_dim 256 at the engine's block sizes."""
+    ctx = [3, 40, 70]
+    kc, vc, table, lens, aux = _cache(ctx, 1, 256, block_size, torch.int8, torch.float16, seed=block_size)
+    q = torch.randn(len(ctx), 2, 256).half()
+    want = ref.paged_attention_decode(q, kc, vc, table, lens, 0.06, *aux)
+    for kwargs in ({}, {"partition_size": 32}):
+        got = paged_attention_decode_impl(q, kc, vc, table, lens, 0.06, *aux, **kwargs)
+        torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
+    q_lens = [3, 17, 20]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    qp = torch.randn(sum(q_lens), 2, 256).half()
+    want = ref.paged_attention_prefill(qp, kc, vc, cu, lens, table, 0.06, *aux)
+    got = paged_attention_prefill(qp, kc, vc, cu, lens, table, 0.06, *aux)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
+
+
 def test_decode_bf16() -> None:
     kc, vc, table, lens, aux = _cache([3, 40], 2, 32, 16, torch.bfloat16, torch.bfloat16)
     q = torch.randn(2, 8, 32).bfloat16()

@@ -80,6 +80,29 @@ def test_awq_disk_layout_round_trip() -> None:
         torch.testing.assert_close(wg.w4a16_gemm_path(x, qw, s, z, path=path), x @ w, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("path", ["gemv", "tiled", "dequant"])
+@pytest.mark.parametrize("g", [32, 128])
+def test_every_nibble_and_zero_point_decodes_exactly(path: str, g: int) -> None:
+    """q - z is exact for every nibble position, code and zero point (the exponent trick of
+    ``_unpack_minus_zero``), with and without split-K: one-hot x picks single weights."""
+    n, k = 256, 2 * g
+    rows, cols = torch.arange(n), torch.arange(k)
+    codes = ((rows[:, None] // 16 + cols[None, :]) % 16).int()  # row n: zero n % 16, every code at every nibble
+    qweight = ref.pack_int4_rows(codes)
+    assert (qweight < 0).any()  # a code >= 8 in nibble 7 sets the sign bit
+    scales = torch.ones(k // g, n)
+    zeros = (rows % 16).float()[None, :].repeat(k // g, 1)
+    m = 1 if path == "gemv" else 5
+    for k0 in range(8):
+        x = torch.zeros(m, k)
+        x[:, k0] = 1.0
+        x[:, g + k0 + 8] = 2.0
+        exact = (codes[:, k0] - zeros[0]) + 2 * (codes[:, g + k0 + 8] - zeros[0])
+        for split_k in (1, 2):
+            got = wg.w4a16_gemm_path(x, qweight, scales, zeros, path=path, split_k=split_k)
+            assert torch.equal(got, exact.expand(m, n)), (path, k0, split_k)
+
+
 def test_pick_path_and_configs() -> None:
     assert wg.pick_path(1) == "gemv" and wg.pick_path(wg.GEMV_MAX_M) == "gemv"
     assert wg.pick_path(wg.GEMV_MAX_M + 1) == "tiled" and wg.pick_path(wg.TILED_MAX_M) == "tiled"
@@ -88,7 +111,8 @@ def test_pick_path_and_configs() -> None:
     assert all(c.block_m >= 16 and c.block_n >= 16 for c in wg.TILED_CONFIGS)  # tl.dot minimum
 
 
-@pytest.mark.parametrize("capability,expected", [((8, 6), "pre_hopper"), ((8, 9), "pre_hopper"), ((9, 0), "hopper")])
+@pytest.mark.parametrize("capability,expected", [((8, 6), "pre_hopper"), ((8, 9), "pre_hopper"), ((9, 0), "hopper"),
+                                                 ((10, 0), "hopper"), ((12, 0), "pre_hopper")])
 def test_tiled_configs_follow_the_architecture(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int],
                                                expected: str) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
