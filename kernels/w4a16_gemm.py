@@ -10,7 +10,7 @@ Three paths, picked by M (see ``GEMV_MAX_M`` / ``TILED_MAX_M``):
 
 * ``gemv``   (decode, M tiny): memory-bound. Each program owns ``BLOCK_N`` output rows and a
   slice of the K groups (split-K). It works on the packed words one nibble position at a time:
-  per weight one LOP3 and one FADD decode ``q - z`` exactly (:func:`_unpack_minus_zero` says how)
+  per weight one LOP3 and one FADD decode ``q - z`` exactly (:func:`unpack_minus_zero` says how)
   and one FFMA per row of x accumulates it; the scale is applied once per group and row.
 * ``tiled``  (M up to a few hundred): tensor cores. ``[BLOCK_N, BLOCK_K]`` weight tiles are
   dequantized in registers and fed to ``tl.dot`` with fp32 accumulation; split-K when the
@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ._common import FLOAT_DTYPES, TRITON_DTYPE, LaunchSpec, check_device, next_pow2, num_sms, upcast_dot
+from .w4_decode import NIBBLE_MASK, nibble_minus_zero, split_columns_mod4, unpack_minus_zero
 
 # ----------------------------------------------------------------------------- crossovers
 # PROVISIONAL: read off one H200 run of bench/kernels.py (bench/results/kernels.json: gemv_us /
@@ -99,63 +100,11 @@ DEQUANT_NUM_WARPS = 4
 # rows keep each GEMM large enough for cuBLAS (unmeasured on a GPU so far: re-check the M >= 1024
 # timings of bench/kernels.py).
 DEQUANT_SLAB_BYTES = 32 * 2**20
-# Passed to every kernel as a run-time argument, never written as a literal in them: a run-time value
-# makes the shifted masks loop-invariant registers, where literals get re-materialised by ptxas
-# before every LOP3 that uses them (one extra MOV per weight; ``kernels/sass_stats.py`` shows it).
-NIBBLE_MASK = 15
 REDUCE_BLOCK_N = 1024  # split-K reduction: columns per program
 REDUCE_NUM_WARPS = 4
 
 
 # ----------------------------------------------------------------------------- kernels
-
-
-@triton.jit
-def _unpack_minus_zero(words, z, nibble_mask, BLOCK_K: tl.constexpr):
-    """int32 words ``[R, BLOCK_K // 8]``, zero points ``z [R]`` -> exact fp32 ``q - z`` ``[R, BLOCK_K]``
-    (k = 8 j + i: nibble i of word j).
-
-    ``tl.interleave`` (join + reshape) keeps the copies of a word in the thread that loaded it, so
-    unpacking needs no shuffles or shared memory (a 3-D ``[R, W, 8]`` broadcast spreads the nibble
-    axis over lanes: on an H200 the tiled path at M=4096 went from ~3.1 to ~1.1 ms when interleaving
-    replaced it).
-
-    No int->float conversion (I2F runs at a quarter rate on sm_80..sm_90) and no shift per nibble:
-    a nibble at bit ``p`` is masked in place and OR-ed with the exponent of ``2^(23 - p)``, whose
-    mantissa unit is then ``2^-p``: the float is exactly ``2^(23 - p) + q``. Subtracting
-    ``2^(23 - p) + z`` (exact for an integer z in 0..15: both are integers below 2^24; a
-    fractional z would be rounded) gives ``q - z`` in one FADD. The
-    mantissa has 23 bits, so nibbles 0-4 (bits 0..19) are read in place and nibbles 5-7 after one
-    shift of the word by 12 (bits 8..19). Per weight: one LOP3 and one FADD in SASS
-    (``python -m lightinfer.kernels.sass_stats`` counts them).
-    """
-    rep = tl.interleave(words, words)
-    rep = tl.interleave(rep, rep)
-    rep = tl.interleave(rep, rep)  # [R, BLOCK_K]: each word 8 times
-    nib = tl.arange(0, BLOCK_K) % 8
-    pre = tl.where(nib >= 5, 12, 0)  # nibbles 5-7: shift the word once so they sit at bits 8..19
-    bit = nib * 4 - pre  # where the nibble sits in the (shifted) word: 0, 4, ..., 16
-    exp_bits = (150 - bit) << 23  # biased exponent of 2^(23 - bit)
-    bits = ((rep >> pre[None, :]) & (nibble_mask << bit)[None, :]) | exp_bits[None, :]
-    base = (exp_bits + 0).to(tl.float32, bitcast=True)  # 2^(23 - bit)
-    return bits.to(tl.float32, bitcast=True) - (base[None, :] + z[:, None])
-
-
-@triton.jit
-def _split4(x):
-    """``[W, 8]`` -> four ``[W, 2]`` tensors holding columns (0, 4), (1, 5), (2, 6), (3, 7)."""
-    a, b = tl.split(tl.reshape(x, (x.shape[0], 4, 2)))  # even / odd columns: (0,2,4,6), (1,3,5,7)
-    a0, a1 = tl.split(tl.reshape(a, (x.shape[0], 2, 2)))  # (0,4), (2,6)
-    b0, b1 = tl.split(tl.reshape(b, (x.shape[0], 2, 2)))  # (1,5), (3,7)
-    return a0, b0, a1, b1
-
-
-@triton.jit
-def _nibble_minus_zero(src, mask, c, BIT: tl.constexpr):
-    """``q - z`` (exact fp32) of the nibble at bits ``BIT..BIT+3`` of every int32 in ``src [R, W]``;
-    ``mask = 15 << BIT``, ``c [R] = 2^(23 - BIT) + z`` (see :func:`_unpack_minus_zero`)."""
-    bits = (src & mask) | ((150 - BIT) << 23)
-    return bits.to(tl.float32, bitcast=True) - c[:, None]
 
 
 @triton.jit
@@ -220,19 +169,19 @@ def _w4a16_gemv_kernel(
         for m in tl.static_range(BLOCK_M):
             xg = tl.load(x_ptr + m * stride_xm + g * GROUP_SIZE + offs_w[:, None] * 8 + offs_i[None, :],
                          mask=(offs_w[:, None] * 0 + m) < M, other=0.0).to(tl.float32)  # [WORDS, 8]
-            x04, x15, x26, x37 = _split4(xg)
+            x04, x15, x26, x37 = split_columns_mod4(xg)
             x0, x4 = tl.split(x04)
             x1, x5 = tl.split(x15)
             x2, x6 = tl.split(x26)
             x3, x7 = tl.split(x37)
-            t = _nibble_minus_zero(w, nibble_mask, c0, 0) * x0[None, :]
-            t += _nibble_minus_zero(w, m4, c4, 4) * x1[None, :]
-            t += _nibble_minus_zero(w, m8, c8, 8) * x2[None, :]
-            t += _nibble_minus_zero(w, m12, c12, 12) * x3[None, :]
-            t += _nibble_minus_zero(w, m16, c16, 16) * x4[None, :]
-            t += _nibble_minus_zero(hi, m8, c8, 8) * x5[None, :]
-            t += _nibble_minus_zero(hi, m12, c12, 12) * x6[None, :]
-            t += _nibble_minus_zero(hi, m16, c16, 16) * x7[None, :]
+            t = nibble_minus_zero(w, nibble_mask, c0, 0) * x0[None, :]
+            t += nibble_minus_zero(w, m4, c4, 4) * x1[None, :]
+            t += nibble_minus_zero(w, m8, c8, 8) * x2[None, :]
+            t += nibble_minus_zero(w, m12, c12, 12) * x3[None, :]
+            t += nibble_minus_zero(w, m16, c16, 16) * x4[None, :]
+            t += nibble_minus_zero(hi, m8, c8, 8) * x5[None, :]
+            t += nibble_minus_zero(hi, m12, c12, 12) * x6[None, :]
+            t += nibble_minus_zero(hi, m16, c16, 16) * x7[None, :]
             part = s * tl.sum(t, axis=1)  # [BLOCK_N]
             acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
     _store_output(acc, bias_ptr, y_ptr, offs_m, offs_n, (offs_m[:, None] < M) & n_mask[None, :], n_mask, pid_k,
@@ -270,7 +219,7 @@ def _w4a16_tiled_kernel(
         g = k0 // GROUP_SIZE
         s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        qz = _unpack_minus_zero(words, z, nibble_mask, BLOCK_K)  # [BLOCK_N, BLOCK_K]: q - z, exact
+        qz = unpack_minus_zero(words, z, nibble_mask, BLOCK_K)  # [BLOCK_N, BLOCK_K]: q - z, exact
         if BLOCK_M <= 32:
             # One K step is one group, so the scale can wait until after the dot: BLOCK_M x BLOCK_N
             # multiplies per step instead of BLOCK_N x BLOCK_K, and q - z enters the tensor cores
@@ -298,7 +247,7 @@ def _w4_dequant_kernel(
                     mask=n_mask[:, None], other=0)
     s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    w = _unpack_minus_zero(words, z, nibble_mask, GROUP_SIZE) * s[:, None]
+    w = unpack_minus_zero(words, z, nibble_mask, GROUP_SIZE) * s[:, None]
     offs_k = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
     tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], w.to(w_ptr.dtype.element_ty),
              mask=n_mask[:, None] & (offs_k[None, :] < K))

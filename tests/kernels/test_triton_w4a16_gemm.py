@@ -84,7 +84,7 @@ def test_awq_disk_layout_round_trip() -> None:
 @pytest.mark.parametrize("g", [32, 128])
 def test_every_nibble_and_zero_point_decodes_exactly(path: str, g: int) -> None:
     """q - z is exact for every nibble position, code and zero point (the exponent trick of
-    ``_unpack_minus_zero``), with and without split-K: one-hot x picks single weights."""
+    ``unpack_minus_zero``), with and without split-K: one-hot x picks single weights."""
     n, k = 256, 2 * g
     rows, cols = torch.arange(n), torch.arange(k)
     codes = ((rows[:, None] // 16 + cols[None, :]) % 16).int()  # row n: zero n % 16, every code at every nibble
