@@ -12,7 +12,7 @@ from torch import nn
 
 from lightinfer.kernels.reference import dequantize_w4, repack_awq_to_runtime
 from lightinfer.layers.cpu_gemm import PackedWeight, can_pack
-from lightinfer.layers.ops import ops_for
+from lightinfer.layers.ops import ops_for, uses_triton
 
 
 class Linear(nn.Module):
@@ -108,9 +108,9 @@ class W4A16Linear(nn.Module):
         dequantizing per step would cost more than the matmul itself.
         """
         shape = x.shape
-        if self._packed is not None and not x.is_cuda:
+        if self._packed is not None and not uses_triton(x):
             return self._packed(x, self.bias)
-        if not x.is_cuda:
+        if not uses_triton(x):
             if self._dense is None:
                 self._dense = dequantize_w4(self.qweight, self.scales, self.zeros)
             return F.linear(x, self._dense.to(x.dtype), self.bias)

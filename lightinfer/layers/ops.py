@@ -6,8 +6,10 @@ same signatures (``kernels/reference.py`` documents them).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
+from collections.abc import Iterator
 
 import torch
 
@@ -33,8 +35,29 @@ def _triton_ops() -> types.SimpleNamespace:
     )
 
 
+_triton_on_cpu = False
+
+
+@contextlib.contextmanager
+def triton_on_cpu() -> Iterator[None]:
+    """Inside this block CPU tensors take the Triton kernels too, which then run on Triton's CPU
+    interpreter (``TRITON_INTERPRET=1`` must be set): the GPU code path of a whole model, end to
+    end, on a machine without a GPU. For tests; slow. Not thread-safe (a module flag)."""
+    global _triton_on_cpu
+    previous, _triton_on_cpu = _triton_on_cpu, True
+    try:
+        yield
+    finally:
+        _triton_on_cpu = previous
+
+
+def uses_triton(x: torch.Tensor) -> bool:
+    """Whether ops on ``x`` run the Triton kernels: on CUDA, or on CPU inside :func:`triton_on_cpu`."""
+    return x.is_cuda or _triton_on_cpu
+
+
 def ops_for(x: torch.Tensor) -> types.SimpleNamespace | types.ModuleType:
-    """The kernel namespace for ``x``'s device: Triton on CUDA, ``kernels.reference`` otherwise."""
-    if x.is_cuda:
+    """The kernel namespace for ``x``: Triton on CUDA (see :func:`uses_triton`), ``kernels.reference`` otherwise."""
+    if uses_triton(x):
         return _triton_ops()
     return reference
