@@ -42,6 +42,42 @@ class LaunchSpec:
     tags: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class SplitKPartials:
+    """A W4A16 GEMM's split-K output not yet reduced: ``y = (partials.sum(0) + bias).to(dtype)``.
+
+    ``partials`` fp32 ``[S, M, N]``; ``bias`` ``[N]`` or None; ``dtype`` is y's. The ops that take
+    a GEMM's output (``fused_add_rms_norm``, ``silu_and_mul``) sum the splits as they load it,
+    which saves the reduction kernel's launch; :meth:`reduced` gives y for anything else.
+    """
+
+    partials: torch.Tensor
+    bias: torch.Tensor | None
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        """``[M, N]``, the shape of y."""
+        return self.partials.shape[1:]
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.partials.is_cuda
+
+    @property
+    def device(self) -> torch.device:
+        return self.partials.device
+
+    def reduced(self) -> torch.Tensor:
+        """y in plain PyTorch, summing the splits in order like the reduction kernel."""
+        acc = self.partials[0].clone()
+        for s in range(1, self.partials.shape[0]):
+            acc += self.partials[s]
+        if self.bias is not None:
+            acc += self.bias.to(torch.float32)
+        return acc.to(self.dtype)
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels on the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, TRITON_DTYPE, LaunchSpec, check_device, next_pow2
+from ._common import FLOAT_DTYPES, LaunchSpec, SplitKPartials, check_device, next_pow2
 
 MAX_HIDDEN = 16384
 SILU_BLOCK = 1024
@@ -24,12 +24,32 @@ def _warps(block: int) -> int:
 
 
 @triton.jit
+def _load_input(x_ptr, xb_ptr, offs, mask, stride_split, num_splits, SPLITS: tl.constexpr, SPLIT_BIAS: tl.constexpr,
+                dtype: tl.constexpr):
+    """A row slice of the op's input: loaded, or (``SPLITS``) the sum of a GEMM's split-K partials at
+    ``x_ptr + s * stride_split`` in split order, plus the bias, rounded to ``dtype`` exactly like the
+    reduction kernel would have written it."""
+    if SPLITS:
+        acc = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        for s in range(1, num_splits):
+            acc += tl.load(x_ptr + s * stride_split + offs, mask=mask, other=0.0)
+        if SPLIT_BIAS:
+            acc += tl.load(xb_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # offs: columns of a row
+        x = acc.to(dtype)
+    else:
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, stride_x, stride_r, stride_o, stride_ro,
-                     eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     eps, xb_ptr, stride_split, num_splits, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                     SPLITS: tl.constexpr = False, SPLIT_BIAS: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    x = _load_input(x_ptr + row * stride_x, xb_ptr, cols, mask, stride_split, num_splits, SPLITS, SPLIT_BIAS,
+                    out_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the new residual, rounded like the reference
@@ -89,12 +109,16 @@ def _rotary_qk_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, n
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, xb_ptr, stride_split, num_splits,
+                         BLOCK: tl.constexpr, SPLITS: tl.constexpr = False, SPLIT_BIAS: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
-    a = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    a = _load_input(x_ptr + row * stride_x, xb_ptr, cols, mask, stride_split, num_splits, SPLITS, SPLIT_BIAS, dt)
+    b = _load_input(x_ptr + row * stride_x, xb_ptr, inter + cols, mask, stride_split, num_splits, SPLITS, SPLIT_BIAS,
+                    dt)
+    a, b = a.to(tl.float32), b.to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (a / (1.0 + tl.exp(-a)) * b).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -106,7 +130,23 @@ def _rows(name: str, x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _norm(name: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+def _kernel_input(name: str, x: torch.Tensor | SplitKPartials) -> tuple[torch.Tensor, tuple, dict]:
+    """``x`` for a kernel that loads it with :func:`_load_input`: the 2-D rows tensor behind ``x_ptr``,
+    the positional ``(xb_ptr, stride_split, num_splits)`` and the ``SPLITS``/``SPLIT_BIAS`` constexprs."""
+    if isinstance(x, SplitKPartials):
+        p = x.partials
+        if p.dim() != 3 or p.dtype != torch.float32 or not p.is_contiguous():
+            raise ValueError(f"{name}: split-K partials must be contiguous fp32 [S, M, N], got {tuple(p.shape)} "
+                             f"{p.dtype}")
+        if x.bias is not None and x.bias.shape != (p.shape[2],):
+            raise ValueError(f"{name}: split-K bias {tuple(x.bias.shape)} must be [{p.shape[2]}]")
+        xb = x.bias if x.bias is not None else p
+        return p[0], (xb, p.stride(0), p.shape[0]), {"SPLITS": True, "SPLIT_BIAS": x.bias is not None}
+    x2 = _rows(name, x)
+    return x2, (x2, 0, 1), {}
+
+
+def _norm(name: str, x: torch.Tensor | SplitKPartials, residual: torch.Tensor | None, weight: torch.Tensor,
           eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     h = x.shape[-1]
     if weight.shape != (h,) or weight.dtype not in FLOAT_DTYPES:
@@ -116,7 +156,7 @@ def _norm(name: str, x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     if residual is not None and (residual.shape != x.shape or residual.dtype not in FLOAT_DTYPES):
         raise ValueError(f"{name}: residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
     check_device(name, x, residual, weight)
-    x2 = _rows(name, x)
+    x2, split_args, split_ce = _kernel_input(name, x)
     r2 = _rows(name, residual) if residual is not None else None
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     r_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if residual is not None else None
@@ -124,8 +164,8 @@ def _norm(name: str, x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         block = next_pow2(h)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2 if r2 is not None else x2, weight, out, r_out if r_out is not None else out, h,
-            x2.stride(0), (r2 if r2 is not None else x2).stride(0), out.stride(0), out.stride(0), eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block))
+            x2.stride(0), (r2 if r2 is not None else x2).stride(0), out.stride(0), out.stride(0), eps, *split_args,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block), **split_ce)
     return out.view(x.shape), (r_out.view(x.shape) if r_out is not None else None)
 
 
@@ -141,9 +181,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor | SplitKPartials, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual = x + residual`` (rounded to ``x.dtype``); returns ``(rms_norm(residual), residual)``.
+
+    ``x`` may be a W4A16 GEMM's :class:`SplitKPartials`, summed as they are loaded (rounded to
+    ``x.dtype`` first, as the reduction would have), which saves the reduction's launch.
 
     Args:
         x, residual: float ``[..., H]``; weight: float ``[H]``.
@@ -231,21 +274,23 @@ def rotary_qk(
     return q_out, k_out
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor | SplitKPartials) -> torch.Tensor:
     """``x [..., 2 I]`` -> ``silu(x[..., :I]) * x[..., I:]`` in fp32, returned in ``x.dtype``.
+
+    ``x`` may be a W4A16 GEMM's :class:`SplitKPartials` (``[M, 2 I]``), summed as they are loaded.
 
     Raises:
         ValueError: odd last dim, non-float dtype, or a device Triton cannot run on.
     """
-    if x.dim() < 1 or x.shape[-1] % 2:
+    if len(x.shape) < 1 or x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul: last dim must be even, got {tuple(x.shape)}")
     check_device("silu_and_mul", x)
-    x2 = _rows("silu_and_mul", x)
+    x2, split_args, split_ce = _kernel_input("silu_and_mul", x)
     inter = x.shape[-1] // 2
     out = torch.empty((x2.shape[0], inter), dtype=x.dtype, device=x.device)
     if x2.shape[0] and inter:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, SILU_BLOCK))](
-            x2, out, inter, x2.stride(0), out.stride(0), BLOCK=SILU_BLOCK, num_warps=4)
+            x2, out, inter, x2.stride(0), out.stride(0), *split_args, BLOCK=SILU_BLOCK, num_warps=4, **split_ce)
     return out.view(*x.shape[:-1], inter)
 
 
@@ -254,11 +299,13 @@ def launch_specs() -> list[LaunchSpec]:
     specs = []
     for h in HIDDEN_SIZES:
         block = next_pow2(h)
-        for res in (False, True):
-            ce = {"HAS_RESIDUAL": res, "BLOCK": block}
-            sig = {**dict.fromkeys(["x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr"], "*fp16"),
-                   **dict.fromkeys(["n_cols", "stride_x", "stride_r", "stride_o", "stride_ro"], "i32"), "eps": "fp32",
-                   **dict.fromkeys(ce, "constexpr")}
+        for res, splits in ((False, False), (True, False), (True, True)):  # split-K input: fused add only
+            ce = {"HAS_RESIDUAL": res, "BLOCK": block, "SPLITS": splits, "SPLIT_BIAS": splits}
+            sig = {**dict.fromkeys(["x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr", "xb_ptr"], "*fp16"),
+                   **dict.fromkeys(["n_cols", "stride_x", "stride_r", "stride_o", "stride_ro", "stride_split",
+                                    "num_splits"], "i32"), "eps": "fp32", **dict.fromkeys(ce, "constexpr")}
+            if splits:
+                sig["x_ptr"] = "*fp32"
             specs.append(LaunchSpec("rms_norm", _rms_norm_kernel, sig, ce, _warps(block), 1))
     for heads, d in ((32, 128), (8, 128), (9, 64)):
         ce = {"BLOCK_H": next_pow2(heads), "BLOCK_HALF": d // 2}
@@ -274,7 +321,10 @@ def launch_specs() -> list[LaunchSpec]:
                                 "stride_qot", "stride_qoh", "stride_kot", "stride_koh", "stride_cp", "stride_sp"], "i32"),
                **dict.fromkeys(ce, "constexpr")}
         specs.append(LaunchSpec("rotary_qk", _rotary_qk_kernel, sig, ce, _warps(ce["BLOCK_HQ"] * ce["BLOCK_HALF"]), 1))
-    sig = {"x_ptr": "*" + TRITON_DTYPE[torch.float16], "out_ptr": "*fp16", "inter": "i32", "stride_x": "i32",
-           "stride_o": "i32", "BLOCK": "constexpr"}
-    specs.append(LaunchSpec("silu_and_mul", _silu_and_mul_kernel, sig, {"BLOCK": SILU_BLOCK}, 4, 1))
+    for splits in (False, True):
+        ce = {"BLOCK": SILU_BLOCK, "SPLITS": splits, "SPLIT_BIAS": splits}
+        sig = {"x_ptr": "*fp32" if splits else "*fp16", "out_ptr": "*fp16", "inter": "i32", "stride_x": "i32",
+               "stride_o": "i32", "xb_ptr": "*fp16", "stride_split": "i32", "num_splits": "i32",
+               **dict.fromkeys(ce, "constexpr")}
+        specs.append(LaunchSpec("silu_and_mul", _silu_and_mul_kernel, sig, ce, 4, 1))
     return specs

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ._common import SplitKPartials
+
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ "gemm": nibble j of a word holds column AWQ_ORDER[j]
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column c lives in nibble AWQ_REVERSE_ORDER[c]
 
@@ -435,9 +437,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor | SplitKPartials, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``residual = x + residual``; returns ``(rms_norm(residual), residual)``."""
+    """``residual = x + residual``; returns ``(rms_norm(residual), residual)``. ``x`` may be a GEMM's
+    unreduced :class:`SplitKPartials`."""
+    if isinstance(x, SplitKPartials):
+        x = x.reduced()
     residual = (x.to(torch.float32) + residual.to(torch.float32)).to(x.dtype)
     return rms_norm(residual, weight, eps), residual
 
@@ -468,7 +473,9 @@ def rotary_qk(
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``x [..., 2 I]`` -> ``silu(x[..., :I]) * x[..., I:]``."""
+def silu_and_mul(x: torch.Tensor | SplitKPartials) -> torch.Tensor:
+    """``x [..., 2 I]`` (or a GEMM's unreduced :class:`SplitKPartials`) -> ``silu(x[..., :I]) * x[..., I:]``."""
+    if isinstance(x, SplitKPartials):
+        x = x.reduced()
     half = x.shape[-1] // 2
     return (torch.nn.functional.silu(x[..., :half].float()) * x[..., half:].float()).to(x.dtype)

@@ -32,7 +32,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, TRITON_DTYPE, LaunchSpec, check_device, next_pow2, num_sms, upcast_dot
+from ._common import (
+    FLOAT_DTYPES,
+    TRITON_DTYPE,
+    LaunchSpec,
+    SplitKPartials,
+    check_device,
+    next_pow2,
+    num_sms,
+    upcast_dot,
+)
 from .w4_decode import NIBBLE_MASK, nibble_minus_zero, split_columns_mod4, unpack_minus_zero
 
 # ----------------------------------------------------------------------------- crossovers
@@ -389,7 +398,8 @@ def w4a16_gemm_path(
     *,
     path: str | None = None,
     split_k: int | None = None,
-) -> torch.Tensor:
+    defer_reduce: bool = False,
+) -> torch.Tensor | SplitKPartials:
     """:func:`w4a16_gemm` with the path (``"gemv"|"tiled"|"dequant"``) and split-K forced (tests, bench)."""
     m, n, k, g = _validate(x, qweight, scales, zeros, bias)
     path = path or pick_path(m)
@@ -432,6 +442,8 @@ def w4a16_gemm_path(
             n, m * n, num_k_steps, steps_per_split, NIBBLE_MASK, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k, UPCAST_DOT=upcast_dot(x.dtype), **common)
     if split > 1:
+        if defer_reduce:
+            return SplitKPartials(out, bias, x.dtype)
         _split_k_reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK_N))](
             out, bias_arg, y, n, split, m * n, n, n, HAS_BIAS=bias is not None, BLOCK_N=REDUCE_BLOCK_N,
             num_warps=REDUCE_NUM_WARPS)
@@ -444,7 +456,8 @@ def w4a16_gemm(
     scales: torch.Tensor,
     zeros: torch.Tensor,
     bias: torch.Tensor | None = None,
-) -> torch.Tensor:
+    defer_reduce: bool = False,
+) -> torch.Tensor | SplitKPartials:
     """``y[M, N] = x[M, K] @ dequant(W)[K, N] (+ bias)``, fp32 accumulation, returned in ``x.dtype``.
 
     Args:
@@ -454,12 +467,14 @@ def w4a16_gemm(
             0..15 (AWQ's, as ``repack_awq_to_runtime`` makes them); the kernels subtract them exactly
             but would round a fractional one (not checked: it would need a device sync).
         bias: optional float ``[N]``.
+        defer_reduce: when K is split, return the unreduced :class:`SplitKPartials` for an op that
+            sums them as it loads them (``fused_add_rms_norm``, ``silu_and_mul``): one launch less.
     Returns:
-        ``[M, N]`` in ``x.dtype``.
+        ``[M, N]`` in ``x.dtype``, or with ``defer_reduce`` and a split K, :class:`SplitKPartials`.
     Raises:
         ValueError: bad shapes, dtypes, strides or devices (CPU needs ``TRITON_INTERPRET=1``).
     """
-    return w4a16_gemm_path(x, qweight, scales, zeros, bias)
+    return w4a16_gemm_path(x, qweight, scales, zeros, bias, defer_reduce=defer_reduce)
 
 
 # ----------------------------------------------------------------------------- compile specs

@@ -7,6 +7,7 @@ Parameter names follow Hugging Face so checkpoints load by name. Qwen2 (q/k/v bi
 from __future__ import annotations
 
 import torch
+from lightinfer.kernels._common import SplitKPartials
 from torch import nn
 
 from lightinfer.layers.activation import SiluAndMul
@@ -103,6 +104,8 @@ class LlamaMLP(nn.Module):
         fused = fuse_linears([self.gate_proj, self.up_proj])
         if fused is not None:
             self.gate_up_proj, self.gate_proj, self.up_proj = fused, None, None
+            if isinstance(fused, W4A16Linear):
+                fused.defer_reduce = True  # silu_and_mul sums its split-K partials
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
@@ -133,10 +136,16 @@ class LlamaDecoderLayer(nn.Module):
         )
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(hf_config, layer_idx, quant_config, dtype)
+        # Their outputs go to a fused add + RMSNorm, which sums split-K partials as it loads them.
+        for linear in (self.self_attn.o_proj, self.mlp.down_proj):
+            if isinstance(linear, W4A16Linear):
+                linear.defer_reduce = True
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """positions ``[T]``, hidden ``[T, hidden]`` -> the block's output ``[T, hidden]`` (residual added)."""
         out, residual = self.forward_fused(positions, hidden_states, None)
+        if isinstance(out, SplitKPartials):
+            out = out.reduced()
         return residual + out
 
     def forward_fused(
@@ -147,7 +156,9 @@ class LlamaDecoderLayer(nn.Module):
         The stream entering the block is ``hidden_states + residual`` (``hidden_states`` alone when
         ``residual`` is None); the input norm adds them in the same kernel. Returns ``(mlp_out,
         residual)``, whose sum is the block's output: the next block's input norm, or the final norm,
-        adds them, which saves a separate add kernel per layer on the GPU.
+        adds them, which saves a separate add kernel per layer on the GPU. On the Triton path
+        ``mlp_out`` (and so ``hidden_states``) may be a W4A16 GEMM's unreduced
+        :class:`SplitKPartials`, which that norm sums as it loads them.
         """
         if residual is None:
             normed, residual = self.input_layernorm(hidden_states), hidden_states

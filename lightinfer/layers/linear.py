@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightinfer.kernels._common import SplitKPartials
 from lightinfer.kernels.reference import dequantize_w4, repack_awq_to_runtime
 from lightinfer.layers.cpu_gemm import PackedWeight, can_pack
 from lightinfer.layers.ops import ops_for, uses_triton
@@ -65,6 +66,9 @@ class W4A16Linear(nn.Module):
         self.register_buffer("scales", torch.zeros(num_groups, out_features, dtype=dtype))
         self.register_buffer("zeros", torch.zeros(num_groups, out_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        # On the Triton path, return a split K unreduced (SplitKPartials) for the next op to sum as it
+        # loads it: set by the model where that op takes partials (the norm after o/down, SiLU after gate/up).
+        self.defer_reduce = False
         self._dense: torch.Tensor | None = None  # CPU only: the weight dequantized once, [out, in]
         self._packed: PackedWeight | None = None  # CPU only: that weight prepacked (cpu_gemm)
 
@@ -100,12 +104,13 @@ class W4A16Linear(nn.Module):
         else:  # keep it for the F.linear path rather than dequantizing again at the first forward
             self._dense = dense
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
         """``x [..., in]`` -> ``[..., out]`` (fp32 accumulation).
 
         On CUDA the Triton kernel reads the 4-bit weight every call (that is the point: 4x fewer
         bytes). On a CPU, where only correctness matters, the weight is dequantized once and kept:
-        dequantizing per step would cost more than the matmul itself.
+        dequantizing per step would cost more than the matmul itself. With ``defer_reduce`` and a
+        2-D ``x`` on the Triton path, a split K comes back as unreduced :class:`SplitKPartials`.
         """
         shape = x.shape
         if self._packed is not None and not uses_triton(x):
@@ -114,6 +119,8 @@ class W4A16Linear(nn.Module):
             if self._dense is None:
                 self._dense = dequantize_w4(self.qweight, self.scales, self.zeros)
             return F.linear(x, self._dense.to(x.dtype), self.bias)
+        if self.defer_reduce and x.dim() == 2:
+            return ops_for(x).w4a16_gemm(x, self.qweight, self.scales, self.zeros, self.bias, defer_reduce=True)
         y = ops_for(x).w4a16_gemm(x.reshape(-1, shape[-1]), self.qweight, self.scales, self.zeros, self.bias)
         return y.reshape(*shape[:-1], self.out_features)
 

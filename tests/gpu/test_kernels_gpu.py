@@ -60,6 +60,23 @@ def test_w4a16_all_paths_real_shapes(k: int, n: int, m: int) -> None:
     assert _rel_err(wg.w4a16_gemm(x, qweight, scales, zeros, bias), want) < 3e-3
 
 
+def test_deferred_split_k_into_norm_and_silu_real_shapes() -> None:
+    """o/down GEMM partials into the fused add + norm, gate_up partials into SiLU: identical to reducing first."""
+    for k, n in ((4096, 4096), (4096, 28672)):
+        qweight, scales, zeros = _weights(n, k, 128)
+        x = torch.randn(1, k, device=DEV, dtype=torch.float16)
+        parts = wg.w4a16_gemm(x, qweight, scales, zeros, defer_reduce=True)
+        assert not isinstance(parts, torch.Tensor)  # M=1 splits K on this GPU
+        y = wg.w4a16_gemm(x, qweight, scales, zeros)
+        assert torch.equal(parts.reduced(), y)
+        if n == 4096:
+            r, w = torch.randn(1, n, device=DEV, dtype=torch.float16), torch.rand(n, device=DEV, dtype=torch.float16)
+            got, want = nr.fused_add_rms_norm(parts, r, w, 1e-5), nr.fused_add_rms_norm(y, r, w, 1e-5)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        else:
+            assert torch.equal(nr.silu_and_mul(parts), nr.silu_and_mul(y))
+
+
 def test_w4a16_pre_hopper_tiles_on_this_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiles chosen for sm_80/86/89 (64-row tile at 8 warps) are correct here too."""
     monkeypatch.setattr(wg, "tiled_configs", lambda device: wg.TILED_CONFIGS_PRE_HOPPER)

@@ -90,6 +90,24 @@ def test_silu_and_mul(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     torch.testing.assert_close(nr.silu_and_mul(x).float(), ref.silu_and_mul(x).float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_ops_sum_split_k_partials_like_the_reduction(dtype: torch.dtype, with_bias: bool) -> None:
+    """fused_add_rms_norm and silu_and_mul take a GEMM's unreduced partials: the same result, bit for
+    bit, as reducing first (splits summed in order, bias, rounded to the output dtype)."""
+    from lightinfer.kernels._common import SplitKPartials
+
+    g = torch.Generator().manual_seed(3)
+    bias = torch.randn(96, generator=g).to(dtype) if with_bias else None
+    parts = SplitKPartials(torch.randn(3, 5, 96, generator=g), bias, dtype)
+    r, w = torch.randn(5, 96, generator=g).to(dtype), torch.rand(96, generator=g).to(dtype)
+    out, res = nr.fused_add_rms_norm(parts, r, w, 1e-6)
+    out_ref, res_ref = nr.fused_add_rms_norm(parts.reduced(), r, w, 1e-6)
+    assert torch.equal(res, res_ref) and torch.equal(out, out_ref)
+    assert torch.equal(nr.silu_and_mul(parts), nr.silu_and_mul(parts.reduced()))
+    assert torch.equal(ref.silu_and_mul(parts), ref.silu_and_mul(parts.reduced()))
+
+
 def test_validation_errors() -> None:
     with pytest.raises(ValueError):
         nr.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)

@@ -103,6 +103,19 @@ def test_every_nibble_and_zero_point_decodes_exactly(path: str, g: int) -> None:
             assert torch.equal(got, exact.expand(m, n)), (path, k0, split_k)
 
 
+@pytest.mark.parametrize("path", ["gemv", "tiled"])
+def test_deferred_reduction_is_the_reduction(path: str) -> None:
+    """defer_reduce hands back the split-K partials; summed (in order, + bias) they are exactly y."""
+    qweight, scales, zeros = _weights(40, 192, 32, torch.float32)  # 6 groups: 3 splits of 2
+    x, bias = torch.randn(2 if path == "gemv" else 5, 192), torch.randn(40)
+    y = wg.w4a16_gemm_path(x, qweight, scales, zeros, bias, path=path, split_k=3)
+    parts = wg.w4a16_gemm_path(x, qweight, scales, zeros, bias, path=path, split_k=3, defer_reduce=True)
+    assert parts.partials.shape == (3, x.shape[0], 40) and parts.shape == y.shape
+    assert torch.equal(parts.reduced(), y)
+    one = wg.w4a16_gemm_path(x, qweight, scales, zeros, bias, path=path, split_k=1, defer_reduce=True)
+    assert isinstance(one, torch.Tensor)  # nothing to defer without a split
+
+
 def test_pick_path_and_configs() -> None:
     assert wg.pick_path(1) == "gemv" and wg.pick_path(wg.GEMV_MAX_M) == "gemv"
     assert wg.pick_path(wg.GEMV_MAX_M + 1) == "tiled" and wg.pick_path(wg.TILED_MAX_M) == "tiled"
