@@ -70,42 +70,34 @@ def test_decode_odd_head_dim_and_block_size(head_dim: int, block_size: int) -> N
                                **TOL[torch.float16])
 
 
+def _int8_decode_and_prefill_match(ctx: list[int], q_lens: list[int], head_dim: int, num_kv_heads: int,
+                                   num_heads: int, block_size: int, partition_size: int, scale: float) -> None:
+    """INT8 cache: decode (one and split partitions) and prefill against the reference."""
+    kc, vc, table, lens, aux = _cache(ctx, num_kv_heads, head_dim, block_size, torch.int8, torch.float16,
+                                      seed=block_size)
+    q = torch.randn(len(ctx), num_heads, head_dim).half()
+    want = ref.paged_attention_decode(q, kc, vc, table, lens, scale, *aux)
+    for kwargs in ({}, {"partition_size": partition_size}):
+        got = paged_attention_decode_impl(q, kc, vc, table, lens, scale, *aux, **kwargs)
+        torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    qp = torch.randn(sum(q_lens), num_heads, head_dim).half()
+    want = ref.paged_attention_prefill(qp, kc, vc, cu, lens, table, scale, *aux)
+    got = paged_attention_prefill(qp, kc, vc, cu, lens, table, scale, *aux)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
+
+
 @pytest.mark.parametrize("block_size", [1, 8, 32, 128])
 def test_int8_whole_page_and_fallback_gathers(block_size: int) -> None:
     """INT8 tiles are gathered page by page when a tile holds whole pages (block sizes 1, 8, 32 with
-    64- and 32-key tiles) and token by token otherwise (128): both match the reference, in decode (one
-    and split partitions) and prefill."""
-    ctx = [1, 9, 70, 200]
-    kc, vc, table, lens, aux = _cache(ctx, 2, 32, block_size, torch.int8, torch.float16, seed=block_size)
-    q = torch.randn(len(ctx), 8, 32).half()
-    want = ref.paged_attention_decode(q, kc, vc, table, lens, 0.2, *aux)
-    for kwargs in ({}, {"partition_size": 128}):
-        got = paged_attention_decode_impl(q, kc, vc, table, lens, 0.2, *aux, **kwargs)
-        torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
-    q_lens = [1, 5, 40, 33]
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    qp = torch.randn(sum(q_lens), 8, 32).half()
-    want = ref.paged_attention_prefill(qp, kc, vc, cu, lens, table, 0.2, *aux)
-    got = paged_attention_prefill(qp, kc, vc, cu, lens, table, 0.2, *aux)
-    torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
+    64- and 32-key tiles) and token by token otherwise (128)."""
+    _int8_decode_and_prefill_match([1, 9, 70, 200], [1, 5, 40, 33], 32, 2, 8, block_size, 128, 0.2)
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_int8_head_dim_256(block_size: int) -> None:
     """The 32-key decode and 16-key INT8 prefill tiles of head_dim 256 at the engine's block sizes."""
-    ctx = [3, 40, 70]
-    kc, vc, table, lens, aux = _cache(ctx, 1, 256, block_size, torch.int8, torch.float16, seed=block_size)
-    q = torch.randn(len(ctx), 2, 256).half()
-    want = ref.paged_attention_decode(q, kc, vc, table, lens, 0.06, *aux)
-    for kwargs in ({}, {"partition_size": 32}):
-        got = paged_attention_decode_impl(q, kc, vc, table, lens, 0.06, *aux, **kwargs)
-        torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
-    q_lens = [3, 17, 20]
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    qp = torch.randn(sum(q_lens), 2, 256).half()
-    want = ref.paged_attention_prefill(qp, kc, vc, cu, lens, table, 0.06, *aux)
-    got = paged_attention_prefill(qp, kc, vc, cu, lens, table, 0.06, *aux)
-    torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
+    _int8_decode_and_prefill_match([3, 40, 70], [3, 17, 20], 256, 1, 2, block_size, 32, 0.06)
 
 
 def test_decode_bf16() -> None:
