@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ._common import FLOAT_DTYPES, LaunchSpec, SplitKPartials, check_device, next_pow2
+from .w4a16_gemm import sum_split_k
 
 MAX_HIDDEN = 16384
 SILU_BLOCK = 1024
@@ -26,16 +27,10 @@ def _warps(block: int) -> int:
 @triton.jit
 def _load_input(x_ptr, xb_ptr, offs, mask, stride_split, num_splits, SPLITS: tl.constexpr, SPLIT_BIAS: tl.constexpr,
                 dtype: tl.constexpr):
-    """A row slice of the op's input: loaded, or (``SPLITS``) the sum of a GEMM's split-K partials at
-    ``x_ptr + s * stride_split`` in split order, plus the bias, rounded to ``dtype`` exactly like the
-    reduction kernel would have written it."""
+    """A row slice of the op's input: loaded, or (``SPLITS``) a GEMM's split-K partials at
+    ``x_ptr + s * stride_split`` summed by :func:`sum_split_k`, as the reduction kernel would have."""
     if SPLITS:
-        acc = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        for s in range(1, num_splits):
-            acc += tl.load(x_ptr + s * stride_split + offs, mask=mask, other=0.0)
-        if SPLIT_BIAS:
-            acc += tl.load(xb_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # offs: columns of a row
-        x = acc.to(dtype)
+        x = sum_split_k(x_ptr, xb_ptr, offs, mask, stride_split, num_splits, SPLIT_BIAS, dtype)  # offs: columns
     else:
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     return x
@@ -75,25 +70,6 @@ def _rotate_heads(x_row, o_row, num_heads, stride_h, stride_oh, half, c, s, offs
 
 
 @triton.jit
-def _cos_sin_rows(cos_row, sin_row, half, BLOCK_HALF: tl.constexpr):
-    """One table row each -> ``(cos [1, BLOCK_HALF] fp32, sin, offs_c, c_mask)``."""
-    offs_c = tl.arange(0, BLOCK_HALF)
-    c_mask = offs_c < half
-    c = tl.load(cos_row + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(sin_row + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
-    return c, s, offs_c, c_mask
-
-
-@triton.jit
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, half, stride_xt, stride_xh, stride_ot, stride_oh,
-                   stride_ct, stride_st, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    c, s, offs_c, c_mask = _cos_sin_rows(cos_ptr + t * stride_ct, sin_ptr + t * stride_st, half, BLOCK_HALF)
-    _rotate_heads(x_ptr + t * stride_xt, out_ptr + t * stride_ot, num_heads, stride_xh, stride_oh, half, c, s,
-                  offs_c, c_mask, BLOCK_H)
-
-
-@triton.jit
 def _rotary_qk_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, num_q_heads, num_k_heads, half,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
                       stride_cp, stride_sp, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
@@ -101,7 +77,10 @@ def _rotary_qk_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, n
     # One program per token: cos/sin read from the tables at the token's position, q and k rotated.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    c, s, offs_c, c_mask = _cos_sin_rows(cos_ptr + pos * stride_cp, sin_ptr + pos * stride_sp, half, BLOCK_HALF)
+    offs_c = tl.arange(0, BLOCK_HALF)
+    c_mask = offs_c < half
+    c = tl.load(cos_ptr + pos * stride_cp + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + pos * stride_sp + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
     _rotate_heads(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, num_q_heads, stride_qh, stride_qoh, half, c, s,
                   offs_c, c_mask, BLOCK_HQ)
     _rotate_heads(k_ptr + t * stride_kt, ko_ptr + t * stride_kot, num_k_heads, stride_kh, stride_koh, half, c, s,
@@ -200,43 +179,12 @@ def fused_add_rms_norm(
     return out, r
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (HF Llama convention); any scaling (llama3, yarn) lives in ``cos``/``sin``.
-
-    Args:
-        x: float ``[num_tokens, num_heads, head_dim]`` (head_dim even), stride 1 on head_dim.
-        cos, sin: float ``[num_tokens, head_dim // 2]``, gathered at the tokens' positions.
-    Returns:
-        New ``[num_tokens, num_heads, head_dim]`` tensor in ``x.dtype``.
-    Raises:
-        ValueError: on bad shapes, dtypes, strides or devices.
-    """
-    if x.dim() != 3 or x.shape[2] % 2 or x.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"apply_rotary: x must be float [num_tokens, num_heads, even head_dim], got "
-                         f"{tuple(x.shape)} {x.dtype}")
-    t, h, d = x.shape
-    half = d // 2
-    for name, c in (("cos", cos), ("sin", sin)):
-        if c.shape != (t, half) or c.dtype not in FLOAT_DTYPES or c.stride(1) != 1:
-            raise ValueError(f"apply_rotary: {name} must be float [{t}, {half}] with stride 1, got "
-                             f"{tuple(c.shape)} {c.dtype}")
-    check_device("apply_rotary", x, cos, sin)
-    if x.stride(2) != 1:
-        x = x.contiguous()
-    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
-    if t:
-        block_h, block_half = next_pow2(h), next_pow2(half)
-        _rotary_kernel[(t,)](x, cos, sin, out, h, half, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-                             cos.stride(0), sin.stride(0), BLOCK_H=block_h, BLOCK_HALF=block_half,
-                             num_warps=_warps(block_h * block_half))
-    return out
-
-
 def rotary_qk(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k at ``positions`` in one launch, reading ``cos_cache``/``sin_cache`` in the kernel
-    (:func:`apply_rotary` on both with the gathered tables took four launches per layer).
+    """Rotate-half RoPE (HF Llama convention) of q and k at ``positions`` in one launch, reading
+    ``cos_cache``/``sin_cache`` (any scaling, llama3 or yarn, is in the tables) in the kernel: gathering
+    the tables and rotating q and k apart took four launches per layer.
 
     Args:
         positions: int32/int64 ``[T]``, each below ``cos_cache.shape[0]`` (not checked: that would sync).
@@ -307,12 +255,6 @@ def launch_specs() -> list[LaunchSpec]:
             if splits:
                 sig["x_ptr"] = "*fp32"
             specs.append(LaunchSpec("rms_norm", _rms_norm_kernel, sig, ce, _warps(block), 1))
-    for heads, d in ((32, 128), (8, 128), (9, 64)):
-        ce = {"BLOCK_H": next_pow2(heads), "BLOCK_HALF": d // 2}
-        sig = {**dict.fromkeys(["x_ptr", "cos_ptr", "sin_ptr", "out_ptr"], "*fp16"),
-               **dict.fromkeys(["num_heads", "half", "stride_xt", "stride_xh", "stride_ot", "stride_oh", "stride_ct",
-                                "stride_st"], "i32"), **dict.fromkeys(ce, "constexpr")}
-        specs.append(LaunchSpec("rotary", _rotary_kernel, sig, ce, _warps(ce["BLOCK_H"] * ce["BLOCK_HALF"]), 1))
     for hq, hk, d in ((32, 32, 128), (32, 8, 128), (9, 3, 64)):
         ce = {"BLOCK_HQ": next_pow2(hq), "BLOCK_HK": next_pow2(hk), "BLOCK_HALF": d // 2}
         sig = {"q_ptr": "*fp16", "k_ptr": "*fp16", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",

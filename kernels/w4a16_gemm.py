@@ -130,18 +130,28 @@ def _store_output(acc, bias_ptr, y_ptr, offs_m, offs_n, y_mask, n_mask, pid_k, s
 
 
 @triton.jit
+def sum_split_k(row_ptr, bias_ptr, offs, mask, stride_split, num_splits, HAS_BIAS: tl.constexpr, dtype: tl.constexpr):
+    """The output ``y[row, offs]`` from split-K partials at ``row_ptr + s * stride_split + offs``: splits summed
+    in order in fp32, plus ``bias[offs]``, rounded to ``dtype``. The one definition of that sum: the
+    reduction kernel and the ops that take :class:`SplitKPartials` all call it, so they agree bit for bit."""
+    acc = tl.load(row_ptr + offs, mask=mask, other=0.0)
+    for s in range(1, num_splits):
+        acc += tl.load(row_ptr + s * stride_split + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return acc.to(dtype)
+
+
+@triton.jit
 def _split_k_reduce_kernel(ws_ptr, bias_ptr, y_ptr, N, num_splits, stride_ws, stride_wm, stride_ym,
                            HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
-    # One program per (row, BLOCK_N columns): sum the splits in order (deterministic), bias, cast.
+    # One program per (row, BLOCK_N columns).
     m = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for s in range(num_splits):
-        acc += tl.load(ws_ptr + s * stride_ws + m * stride_wm + offs_n, mask=n_mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+    y = sum_split_k(ws_ptr + m * stride_wm, bias_ptr, offs_n, n_mask, stride_ws, num_splits, HAS_BIAS,
+                    y_ptr.dtype.element_ty)
+    tl.store(y_ptr + m * stride_ym + offs_n, y, mask=n_mask)
 
 
 @triton.jit
@@ -426,10 +436,11 @@ def w4a16_gemm_path(
     split = min(split, num_k_steps)
     steps_per_split = triton.cdiv(num_k_steps, split)
     split = triton.cdiv(num_k_steps, steps_per_split)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    # Split-K: the kernel writes fp32 partials to out [split, M, N]; the reduction writes y.
-    out = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    bias_arg = bias if bias is not None else y
+    # Split-K: the kernel writes fp32 partials to out [split, M, N] (the reduction, or the op that takes
+    # them, makes y); otherwise it writes y itself.
+    out = torch.empty((split, m, n) if split > 1 else (m, n), dtype=torch.float32 if split > 1 else x.dtype,
+                      device=x.device)
+    bias_arg = bias if bias is not None else x  # unused pointer of the dtype a bias would have
     common = {"HAS_BIAS": bias is not None, "SPLIT": split > 1, "num_warps": num_warps, "num_stages": num_stages}
     if path == "gemv":
         _w4a16_gemv_kernel[(grid_mn[1], split)](
@@ -441,12 +452,14 @@ def w4a16_gemm_path(
             x, qweight, scales, zeros, bias_arg, out, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
             n, m * n, num_k_steps, steps_per_split, NIBBLE_MASK, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k, UPCAST_DOT=upcast_dot(x.dtype), **common)
-    if split > 1:
-        if defer_reduce:
-            return SplitKPartials(out, bias, x.dtype)
-        _split_k_reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK_N))](
-            out, bias_arg, y, n, split, m * n, n, n, HAS_BIAS=bias is not None, BLOCK_N=REDUCE_BLOCK_N,
-            num_warps=REDUCE_NUM_WARPS)
+    if split == 1:
+        return out
+    if defer_reduce:
+        return SplitKPartials(out, bias, x.dtype)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _split_k_reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK_N))](
+        out, bias_arg, y, n, split, m * n, n, n, HAS_BIAS=bias is not None, BLOCK_N=REDUCE_BLOCK_N,
+        num_warps=REDUCE_NUM_WARPS)
     return y
 
 

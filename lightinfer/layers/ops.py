@@ -29,7 +29,6 @@ def _triton_ops() -> types.SimpleNamespace:
         varlen_causal_attention=reference.varlen_causal_attention,
         rms_norm=norm_rope.rms_norm,
         fused_add_rms_norm=norm_rope.fused_add_rms_norm,
-        apply_rotary=norm_rope.apply_rotary,
         rotary_qk=norm_rope.rotary_qk,
         silu_and_mul=norm_rope.silu_and_mul,
     )

@@ -203,13 +203,13 @@ def test_norm_rope_act_real_shapes() -> None:
     o, res = nr.fused_add_rms_norm(x, r, w, 1e-5)
     o2, res2 = ref.fused_add_rms_norm(x, r, w, 1e-5)
     assert torch.equal(res, res2) and _rel_err(o, o2) < 1e-3
-    q = torch.randn(512, 32, 128, device=DEV, dtype=torch.bfloat16)
-    cos, sin = torch.randn(512, 64, device=DEV), torch.randn(512, 64, device=DEV)
-    assert _rel_err(nr.apply_rotary(q, cos, sin), ref.apply_rotary(q, cos, sin)) < 5e-3
-    qkv = torch.randn(512, 48 * 128, device=DEV, dtype=torch.float16)  # Llama-3-8B: 32 q + 8 k + 8 v heads
-    qh, kh = qkv[:, :4096].view(512, 32, 128), qkv[:, 4096:5120].view(512, 8, 128)
     pos = torch.randint(0, 8192, (512,), device=DEV)
     tables = (torch.randn(8192, 64, device=DEV), torch.randn(8192, 64, device=DEV))
+    q = torch.randn(512, 32, 128, device=DEV, dtype=torch.bfloat16)
+    for got, want in zip(nr.rotary_qk(pos, q, q, *tables), ref.rotary_qk(pos, q, q, *tables)):
+        assert _rel_err(got, want) < 5e-3
+    qkv = torch.randn(512, 48 * 128, device=DEV, dtype=torch.float16)  # Llama-3-8B: 32 q + 8 k + 8 v heads
+    qh, kh = qkv[:, :4096].view(512, 32, 128), qkv[:, 4096:5120].view(512, 8, 128)
     for got, want in zip(nr.rotary_qk(pos, qh, kh, *tables), ref.rotary_qk(pos, qh, kh, *tables)):
         assert _rel_err(got, want) < 1e-3
     y = torch.randn(512, 2 * 14336, device=DEV, dtype=torch.float16)

@@ -34,24 +34,6 @@ def test_fused_add_rms_norm_leaves_inputs(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 1, 16), (7, 9, 64), (3, 5, 80)])
-def test_apply_rotary(dtype: torch.dtype, tokens: int, heads: int, head_dim: int) -> None:
-    x = torch.randn(tokens, heads, head_dim).to(dtype)
-    pos = torch.arange(tokens).float().unsqueeze(1)
-    freqs = pos * 10000.0 ** (-torch.arange(head_dim // 2).float() / (head_dim // 2))
-    cos, sin = freqs.cos(), freqs.sin()
-    torch.testing.assert_close(nr.apply_rotary(x, cos, sin).float(), ref.apply_rotary(x, cos, sin).float(),
-                               **TOL[dtype])
-
-
-def test_apply_rotary_strided_q_slice() -> None:
-    qk = torch.randn(4, 6, 32)
-    q = qk[:, :4]  # heads 0..3 of a fused q/k tensor: token stride 6 * 32
-    cos, sin = torch.randn(4, 16), torch.randn(4, 16)
-    torch.testing.assert_close(nr.apply_rotary(q, cos, sin), ref.apply_rotary(q, cos, sin))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("pos_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("tokens,hq,hk,head_dim", [(1, 1, 1, 16), (6, 9, 3, 64), (3, 4, 4, 80), (0, 4, 2, 32)])
 def test_rotary_qk_matches_gathered_apply_rotary(dtype: torch.dtype, pos_dtype: torch.dtype, tokens: int, hq: int,
@@ -114,7 +96,8 @@ def test_validation_errors() -> None:
     with pytest.raises(ValueError):
         nr.fused_add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.randn(8), 1e-6)
     with pytest.raises(ValueError):
-        nr.apply_rotary(torch.randn(2, 1, 8), torch.randn(2, 3), torch.randn(2, 3))
+        nr.rotary_qk(torch.tensor([0, 1]), torch.randn(2, 1, 7), torch.randn(2, 1, 7), torch.randn(4, 3),
+                     torch.randn(4, 3))
     with pytest.raises(ValueError):
         nr.silu_and_mul(torch.randn(2, 7))
     with pytest.raises(ValueError):
