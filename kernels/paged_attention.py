@@ -53,7 +53,6 @@ PREFILL_BLOCK_M = 64
 REDUCE_NUM_WARPS = 4
 HEAD_DIMS = (64, 128, 256)  # head sizes the smem check compiles
 GQA_GROUPS = (1, 4, 8)
-ENGINE_BLOCK_SIZES = (8, 16, 32)  # KV block sizes EngineConfig accepts
 
 
 def _config(configs: list[AttnConfig], head_dim: int) -> AttnConfig:
@@ -109,8 +108,8 @@ def _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr,
         # codes in the registers that loaded them and pass fp16 to the tensor cores through ldmatrix; from
         # a flat [BLOCK_N, D] gather it read the V operand out of shared memory byte by byte (64 LDS.U8
         # per thread and step; sm_90 loop 1,377 -> 908 instructions, 194 -> 127 registers, with the
-        # constexpr block size; bench/results/sass_stats_sm90*.json). An fp16 cache keeps the flat gather: there V stays on the asynchronous
-        # copy path (cp.async) that the paged tile would take it off.
+        # constexpr block size; bench/results/sass_stats_sm90*.json). An fp16 cache keeps the flat
+        # gather: there V stays on the asynchronous copy path (cp.async) the paged tile takes it off.
         row, t_mask = _gather_pages(bt_row_ptr, n0, n_end, kvh, stride_cb, stride_co, stride_ch, BLOCK_N, BLOCK_SIZE)
         kv_mask = t_mask[:, :, None] & d_mask[None, None, :]
         k = tl.reshape(tl.load(kc_ptr + row[:, :, None] + offs_d[None, None, :], mask=kv_mask, other=0),
@@ -458,13 +457,15 @@ def paged_attention_prefill(
 def launch_specs() -> list[LaunchSpec]:
     """Kernel variants for the smem check: fp16 queries, fp16 and int8 caches, head sizes, GQA groups; the
     engine's KV block sizes for int8 caches (their page gather's tile depends on it), 16 for fp16."""
+    from lightinfer.config import KV_BLOCK_SIZES  # the block sizes the engine accepts
+
     specs: list[LaunchSpec] = []
     cache_ints = ["stride_cb", "stride_co", "stride_ch", "stride_sb", "stride_so", "stride_sh"]
     for cache_dt in (torch.float16, torch.int8):
         c = "*" + TRITON_DTYPE[cache_dt]
         quant = cache_dt == torch.int8
         ptrs = {"kc_ptr": c, "vc_ptr": c, "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "*fp16", "vz_ptr": "*fp16"}
-        for block_size in ENGINE_BLOCK_SIZES if quant else (16,):
+        for block_size in KV_BLOCK_SIZES if quant else (16,):
             for d in HEAD_DIMS:
                 dc = _config(DECODE_CONFIGS, d)
                 for group in GQA_GROUPS:

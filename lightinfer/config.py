@@ -15,6 +15,7 @@ _DTYPES = {
 KV_CACHE_DTYPES = ("auto", "int8")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("awq",)
+KV_BLOCK_SIZES = (8, 16, 32)  # tokens per KV block; the kernels' spill check compiles each
 CPU_DEFAULT_KV_CACHE_BYTES = 512 * 2**20  # a CPU has no memory profiler of ours: a fixed default
 
 
@@ -119,8 +120,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.embedding_on_host is not None and not isinstance(self.embedding_on_host, bool):
             raise ValueError(f"embedding_on_host must be True, False or None (auto), got {self.embedding_on_host!r}")
-        if self.block_size not in (8, 16, 32):
-            raise ValueError(f"block_size must be 8, 16 or 32 tokens, got {self.block_size}")
+        if self.block_size not in KV_BLOCK_SIZES:
+            raise ValueError(f"block_size must be one of {KV_BLOCK_SIZES} tokens, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.block_size:
