@@ -63,6 +63,11 @@ def compile_spec(spec: Any, arch: int, one: tuple[str, ...] = ()) -> Any:
                           options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
 
 
+def json_constexprs(spec: Any) -> dict[str, Any]:
+    """``spec``'s constexprs for a JSON row (values that are not plain numbers or strings as text)."""
+    return {k: (v if isinstance(v, (int, float, bool, str)) else str(v)) for k, v in spec.constexprs.items()}
+
+
 def _tool(name: str) -> str:
     import triton
 
@@ -112,7 +117,7 @@ def loop_stats(spec: Any, arch: int, per_thread: float, unit: str, one: tuple[st
     total = sum(counts.values())
     return {
         "name": spec.name,
-        "constexprs": {k: (v if isinstance(v, (int, float, bool, str)) else str(v)) for k, v in spec.constexprs.items()},
+        "constexprs": json_constexprs(spec),
         "specialised_to_1": list(one),
         "num_warps": spec.num_warps,
         "loop_instructions": total,

@@ -72,6 +72,8 @@ def _compile_indices(arch: int, indices: list[int]) -> list[dict[str, int]]:
 def check(arch: int = 86, jobs: int | None = None) -> list[dict[str, Any]]:
     """Compile all specs for ``arch`` (``jobs`` processes; default one per CPU) -> rows with ``shared``, ``fits``,
     ``registers`` and ``spill_stores``."""
+    from .sass_stats import json_constexprs
+
     limit = SMEM_LIMIT_BYTES[arch]
     specs = all_launch_specs()
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(specs)))
@@ -90,8 +92,7 @@ def check(arch: int = 86, jobs: int | None = None) -> list[dict[str, Any]]:
     for spec, st in zip(specs, stats):
         rows.append({
             "name": spec.name,
-            "constexprs": {k: (v if isinstance(v, (int, float, bool, str)) else str(v))
-                           for k, v in spec.constexprs.items()},
+            "constexprs": json_constexprs(spec),
             "num_warps": spec.num_warps,
             "num_stages": spec.num_stages,
             **st,
