@@ -184,15 +184,18 @@ def bench_split_sweep(quick: bool) -> list[dict[str, Any]]:
 
 
 def bench_gemv_tile_sweep(quick: bool) -> list[dict[str, Any]]:
-    """µs of the GEMV at M=1, 2 for each ``block_n`` (rows per program; auto split-K): data for
-    ``w4a16_gemm.GEMV_CONFIGS``. Larger tiles spend fewer instructions per weight
-    (``python -m lightinfer.kernels.sass_stats``) but use more registers and start fewer programs."""
+    """µs of the GEMV at M=1, 2 for each ``block_n`` (rows per program) and, at the configured
+    ``block_n``, each ``num_stages`` (1: no software pipelining; auto split-K): data for
+    ``w4a16_gemm.GEMV_CONFIGS``. Larger tiles and more stages spend fewer instructions per weight or keep
+    more bytes in flight (``python -m lightinfer.kernels.sass_stats``) but use more registers or
+    shared memory and start fewer programs."""
     import dataclasses
 
     from lightinfer.kernels import w4a16_gemm as wg
 
     saved = list(wg.GEMV_CONFIGS)
     base = wg.gemv_config(GROUP_SIZE)
+    variants = [("block_n", v) for v in (32, 64, 128, 256)] + [("num_stages", v) for v in (1, 2, 3, 4)]
     rows = []
     try:
         for name in ("llama2-7b/qkv", "llama2-7b/o", "llama3-8b/gate_up", "llama3-8b/down"):
@@ -200,11 +203,12 @@ def bench_gemv_tile_sweep(quick: bool) -> list[dict[str, Any]]:
             sets, nw = _weight_copies(k, n)
             for m in (1, 2):
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-                row: dict[str, Any] = {"shape": name, "M": m, "configured_block_n": base.block_n}
-                for block_n in (32, 64, 128, 256):
-                    wg.GEMV_CONFIGS[:] = [dataclasses.replace(c, block_n=block_n) if c.group_size == GROUP_SIZE else c
-                                          for c in saved]
-                    row[f"block_n{block_n}_us"] = bench_us(
+                row: dict[str, Any] = {"shape": name, "M": m, "configured_block_n": base.block_n,
+                                       "configured_num_stages": base.num_stages}
+                for field, value in variants:
+                    wg.GEMV_CONFIGS[:] = [dataclasses.replace(c, **{field: value}) if c.group_size == GROUP_SIZE
+                                          else c for c in saved]
+                    row[f"{field}{value}_us"] = bench_us(
                         lambda x=x, ws=sets: [wg.w4a16_gemm_path(x, *w, path="gemv") for w in ws], quick, nw)
                 rows.append(row)
                 print("gemv tile sweep", row, flush=True)

@@ -59,7 +59,8 @@ SUPPORTED_GROUP_SIZES = (32, 64, 128)
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """GEMV tile: ``block_n`` output rows x one quantization group of K per loop step."""
+    """GEMV tile: ``block_n`` output rows x one quantization group of K per loop step; ``num_stages``
+    the depth of the loop's software pipeline (``tl.range``: groups of weights in flight + 1; 1 = none)."""
 
     group_size: int
     block_n: int
@@ -158,7 +159,7 @@ def _split_k_reduce_kernel(ws_ptr, bias_ptr, y_ptr, N, num_splits, stride_ws, st
 def _w4a16_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
     M, N, stride_xm, stride_qn, stride_sg, stride_ym, stride_ys, num_groups, groups_per_split, nibble_mask,
-    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
 ):
     # Works on the packed words themselves, one nibble position at a time: no unpacked
@@ -166,6 +167,14 @@ def _w4a16_gemv_kernel(
     # chain (a tl.sum tree over unpacked weights pairs them into FMUL + FFMA + FADD).
     # ``nibble_mask`` is 15, passed at run time so that the shifted masks are loop-invariant
     # registers: as literals ptxas re-materialises them before every LOP3 (kernels/sass_stats.py).
+    #
+    # Loads run ahead of their use, so a program does not sit out a DRAM latency every group (the
+    # H200 run of the version that loaded and used in the same step reached 33-35% of the copy
+    # bandwidth, well below its instruction limit): the weight tile is software-pipelined by
+    # ``tl.range(num_stages=NUM_STAGES)`` (cp.async into shared memory, NUM_STAGES - 1 groups in
+    # flight), and scales and zeros, 2 bytes per thread and too narrow for cp.async, are loaded one
+    # group ahead into registers. (Prefetching x too cost registers at G=32 and nothing at G=128: x
+    # is 2 bytes per weight row and stays in L2.)
     WORDS: tl.constexpr = GROUP_SIZE // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -177,13 +186,18 @@ def _w4a16_gemv_kernel(
     m4, m8, m12, m16 = nibble_mask << 4, nibble_mask << 8, nibble_mask << 12, nibble_mask << 16
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     g_start = pid_k * groups_per_split
-    g_end = tl.minimum(g_start + groups_per_split, num_groups)
-    for g in range(g_start, g_end):
+    g_end = tl.minimum(g_start + groups_per_split, num_groups)  # the launcher never makes an empty split
+    s_next = tl.load(s_ptr + g_start * stride_sg + offs_n, mask=n_mask, other=0.0)
+    z_next = tl.load(z_ptr + g_start * stride_sg + offs_n, mask=n_mask, other=0.0)
+    for g in tl.range(g_start, g_end, num_stages=NUM_STAGES):
+        s = s_next.to(tl.float32)
+        z = z_next.to(tl.float32)
+        g_ahead = tl.minimum(g + 1, g_end - 1)  # the last step re-reads its own group: in bounds, unused
+        s_next = tl.load(s_ptr + g_ahead * stride_sg + offs_n, mask=n_mask, other=0.0)
+        z_next = tl.load(z_ptr + g_ahead * stride_sg + offs_n, mask=n_mask, other=0.0)
         w = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (g * WORDS + offs_w)[None, :],
                     mask=n_mask[:, None], other=0)  # [BLOCK_N, WORDS]
         hi = w >> 12  # nibbles 5-7 at bits 8..19
-        s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         c0, c4, c8, c12, c16 = z + 8388608.0, z + 524288.0, z + 32768.0, z + 2048.0, z + 128.0
         for m in tl.static_range(BLOCK_M):
             xg = tl.load(x_ptr + m * stride_xm + g * GROUP_SIZE + offs_w[:, None] * 8 + offs_i[None, :],
@@ -227,17 +241,24 @@ def _w4a16_tiled_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     t_start = pid_k * steps_per_split
     t_end = tl.minimum(t_start + steps_per_split, num_k_steps)
+    # x and the weight words are software-pipelined (num_stages: they feed tl.dot); scales and zeros,
+    # 2 bytes per thread and too narrow for cp.async, are loaded one step ahead into registers so their
+    # DRAM latency overlaps a step of work (the last step re-reads its own group: in bounds, unused).
+    s_next = tl.load(s_ptr + (t_start * BLOCK_K // GROUP_SIZE) * stride_sg + offs_n, mask=n_mask, other=0.0)
+    z_next = tl.load(z_ptr + (t_start * BLOCK_K // GROUP_SIZE) * stride_sg + offs_n, mask=n_mask, other=0.0)
     for t in range(t_start, t_end):
         k0 = t * BLOCK_K
+        s = s_next.to(tl.float32)
+        z = z_next.to(tl.float32)
+        g_ahead = tl.minimum(t + 1, t_end - 1) * BLOCK_K // GROUP_SIZE
+        s_next = tl.load(s_ptr + g_ahead * stride_sg + offs_n, mask=n_mask, other=0.0)
+        z_next = tl.load(z_ptr + g_ahead * stride_sg + offs_n, mask=n_mask, other=0.0)
         a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
                     mask=m_mask[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
         if UPCAST_DOT:
             a = a.to(tl.float32)  # CPU interpreter only: its bf16 tl.dot returns garbage (Triton 3.9)
         words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :],
                         mask=n_mask[:, None], other=0)  # [BLOCK_N, BLOCK_K // 8]
-        g = k0 // GROUP_SIZE
-        s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         qz = unpack_minus_zero(words, z, nibble_mask, BLOCK_K)  # [BLOCK_N, BLOCK_K]: q - z, exact
         if BLOCK_M <= 32:
             # One K step is one group, so the scale can wait until after the dot: BLOCK_M x BLOCK_N
@@ -446,7 +467,7 @@ def w4a16_gemm_path(
         _w4a16_gemv_kernel[(grid_mn[1], split)](
             x, qweight, scales, zeros, bias_arg, out, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
             n, m * n, num_k_steps, steps_per_split, NIBBLE_MASK, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n,
-            **common)
+            NUM_STAGES=num_stages, **common)
     else:
         _w4a16_tiled_kernel[(grid_mn[0], grid_mn[1], split)](
             x, qweight, scales, zeros, bias_arg, out, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
@@ -505,8 +526,8 @@ def launch_specs(dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> list[Lau
                 for split in (False, True):
                     sig = {**base, "y_ptr": "*fp32" if split else f, **{i: "i32" for i in ints},
                            "num_groups": "i32", "groups_per_split": "i32", "nibble_mask": "i32"}
-                    ce = {"GROUP_SIZE": cfg.group_size, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "HAS_BIAS": True,
-                          "SPLIT": split}
+                    ce = {"GROUP_SIZE": cfg.group_size, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n,
+                          "NUM_STAGES": cfg.num_stages, "HAS_BIAS": True, "SPLIT": split}
                     specs.append(LaunchSpec(f"w4a16_gemv[{dt}]", _w4a16_gemv_kernel, {**sig, **dict.fromkeys(ce, "constexpr")},
                                             ce, cfg.num_warps, cfg.num_stages))
         for tcfg in dict.fromkeys(TILED_CONFIGS + TILED_CONFIGS_PRE_HOPPER):

@@ -36,14 +36,25 @@ def _gemv(rows: list[dict], group_size: int, block_m: int) -> dict:
 
 
 def test_gemv_decodes_a_weight_in_few_instructions(rows: list[dict]) -> None:
-    # One LOP3 + one FADD + one FFMA per weight and per-group overhead: 4.42 at G=128 when written;
-    # the shift + bit-field-extract decode it replaced took 6.44.
-    for g, limit in ((128, 4.8), (64, 5.2), (32, 5.4)):
+    # One LOP3 + one FADD + one FFMA per weight and per-group overhead: 4.42 at G=128 when written
+    # (the shift + bit-field-extract decode it replaced took 6.44); 4.81 once the weight tile was
+    # software-pipelined (its shared-memory reads and the loop's stage bookkeeping).
+    for g, limit in ((128, 5.0), (64, 5.9), (32, 6.1)):
         r = _gemv(rows, g, 1)
         assert r["loop_instructions"] > 0
         assert r["instructions_per_unit"] <= limit, r
         assert "SGXT" not in r["opcodes"] and "I2F" not in r["opcodes"], r
         assert r["opcodes"].get("MOV", 0) < r["units_per_thread"] / 4, r  # masks are not re-materialised
+
+
+def test_gemv_keeps_weight_loads_in_flight(rows: list[dict]) -> None:
+    # The weight tile of a later group is copied (cp.async: LDGSTS) while this one is computed: the
+    # version that loaded and used each group in one step sat out a DRAM latency per group (33-35%
+    # of the copy bandwidth on the H200).
+    for g in (32, 64, 128):
+        for block_m in (1, 2):
+            r = _gemv(rows, g, block_m)
+            assert r["opcodes"].get("LDGSTS", 0) >= 2, r
 
 
 def test_tiled_decode_has_no_per_weight_shift(rows: list[dict]) -> None:
