@@ -244,13 +244,14 @@ def _w4a16_tiled_kernel(
     # x and the weight words are software-pipelined (num_stages: they feed tl.dot); scales and zeros,
     # 2 bytes per thread and too narrow for cp.async, are loaded one step ahead into registers so their
     # DRAM latency overlaps a step of work (the last step re-reads its own group: in bounds, unused).
-    s_next = tl.load(s_ptr + (t_start * BLOCK_K // GROUP_SIZE) * stride_sg + offs_n, mask=n_mask, other=0.0)
-    z_next = tl.load(z_ptr + (t_start * BLOCK_K // GROUP_SIZE) * stride_sg + offs_n, mask=n_mask, other=0.0)
+    STEPS_PER_GROUP: tl.constexpr = GROUP_SIZE // BLOCK_K  # (t * BLOCK_K) // GROUP_SIZE costs an SGXT
+    s_next = tl.load(s_ptr + (t_start // STEPS_PER_GROUP) * stride_sg + offs_n, mask=n_mask, other=0.0)
+    z_next = tl.load(z_ptr + (t_start // STEPS_PER_GROUP) * stride_sg + offs_n, mask=n_mask, other=0.0)
     for t in range(t_start, t_end):
         k0 = t * BLOCK_K
         s = s_next.to(tl.float32)
         z = z_next.to(tl.float32)
-        g_ahead = tl.minimum(t + 1, t_end - 1) * BLOCK_K // GROUP_SIZE
+        g_ahead = tl.minimum(t + 1, t_end - 1) // STEPS_PER_GROUP
         s_next = tl.load(s_ptr + g_ahead * stride_sg + offs_n, mask=n_mask, other=0.0)
         z_next = tl.load(z_ptr + g_ahead * stride_sg + offs_n, mask=n_mask, other=0.0)
         a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
