@@ -68,16 +68,82 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def filter_logits_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """:func:`filter_logits` for all rows at once: ``[R, vocab]`` fp32 in, the same rows out with the
+    temperature applied and the dropped tokens at ``-inf``. One descending sort serves top-k, top-p and
+    min-p (skipped when no row uses them); greedy rows are left at temperature 1, unfiltered."""
+    vocab = logits.shape[1]
+    dev = logits.device
+    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
+    x = logits / temperature[:, None]
+    filtered = [p for p in params if not p.greedy and (0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0)]
+    if not filtered:
+        return x
+    vals, order = torch.sort(x, dim=-1, descending=True)
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params], device=dev)
+    vals = vals.masked_fill(vals < vals.gather(1, (top_k - 1)[:, None]), float("-inf"))  # ties with the k-th stay
+    if any(p.top_p < 1.0 for p in filtered):
+        top_p = torch.tensor([p.top_p if p.top_p < 1.0 and not p.greedy else float("inf") for p in params],
+                             device=dev)
+        probs = torch.softmax(vals, dim=-1)
+        # drop a token when the mass before it already reaches top_p (the first always stays)
+        vals = vals.masked_fill((torch.cumsum(probs, dim=-1) - probs) >= top_p[:, None], float("-inf"))
+    if any(p.min_p > 0.0 for p in filtered):
+        min_p = torch.tensor([0.0 if p.greedy else p.min_p for p in params], device=dev)
+        probs = torch.softmax(vals, dim=-1)  # column 0 holds each row's most likely token: never dropped
+        vals = vals.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, vals)
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator) -> torch.Tensor:
+    """One token per row, on the logits' device, for rows without penalties, banned ids or a seed.
+
+    The batched twin of :func:`filter_logits` + ``torch.multinomial``: :func:`filter_logits_batch`, then
+    the draw by the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d.: token ``j`` wins with
+    probability ``p_j``), which needs no device sync and no per-row work. Greedy rows take the argmax.
+
+    Args:
+        logits: fp32 ``[R, vocab]``.
+        params: one :class:`SamplingParams` per row.
+        generator: a generator on ``logits.device`` for the noise.
+    Returns:
+        int64 ``[R]`` token ids on ``logits.device``.
+    """
+    argmax = logits.argmax(dim=-1)
+    if all(p.greedy for p in params):
+        return argmax
+    probs = torch.softmax(filter_logits_batch(logits, params), dim=-1)
+    noise = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
+    sampled = (probs / noise).argmax(dim=-1)
+    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    return torch.where(greedy, argmax, sampled)
+
+
 class Sampler:
     """Samples one token per row.
 
+    Rows without penalties, banned ids or a seed of their own (the common case, and every row of a
+    benchmark) are sampled together on the logits' device (:func:`sample_batch`): only the token ids
+    come back to the host. The others go one by one on the CPU, where a seeded request's own
+    generator makes its draws independent of the batch it shares.
+
     Args:
-        seed: seed of the shared generator used by requests without their own seed.
+        seed: seed of the shared generators (one per device) used by requests without their own seed.
     """
 
     def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(seed)
+        self._device_generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator_for(self, device: torch.device) -> torch.Generator:
+        if device.type == "cpu":
+            return self.generator
+        if device not in self._device_generators:
+            self._device_generators[device] = torch.Generator(device=device)
+            self._device_generators[device].manual_seed(self.seed)
+        return self._device_generators[device]
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SamplingRow]
@@ -85,40 +151,59 @@ class Sampler:
         """Sample.
 
         Args:
-            logits: fp32 ``[len(rows), vocab]``.
+            logits: fp32 ``[len(rows), vocab]``, on any device.
             rows: one :class:`SamplingRow` per logits row.
         Returns:
             ``(token_ids, logprobs)``: a token per row, and per row either None or
             ``{token_id: logprob}`` for the top ``params.logprobs`` tokens plus the sampled one
             (log-probabilities of the model's raw distribution, before penalties and filters).
         """
-        logits = logits.to(torch.float32).cpu()  # tiny next to the forward; keeps generators on CPU
-        # Plain greedy rows (no penalties, nothing suppressed) share one batched argmax.
-        plain = [row.params.greedy and not row.suppress_token_ids and not has_penalties(row.params) for row in rows]
-        argmax = logits.argmax(dim=-1).tolist() if any(plain) else []
-        tokens: list[int] = []
-        logprobs: list[dict[int, float] | None] = []
-        for i, row in enumerate(rows):
-            raw = logits[i]
-            if plain[i]:
-                token = argmax[i]
-            else:
-                x = apply_penalties(raw.clone(), row)
-                if row.suppress_token_ids:
-                    x[list(row.suppress_token_ids)] = float("-inf")
-                if row.params.greedy:
-                    token = int(torch.argmax(x))
-                else:
-                    probs = torch.softmax(filter_logits(x, row.params), dim=-1)
-                    gen = row.generator if row.generator is not None else self.generator
-                    token = int(torch.multinomial(probs, 1, generator=gen))
-            tokens.append(token)
-            if row.params.logprobs is None:
-                logprobs.append(None)
-                continue
-            lp = torch.log_softmax(raw, dim=-1)
-            top = torch.topk(lp, row.params.logprobs) if row.params.logprobs else None
-            entry = {int(t): float(v) for t, v in zip(top.indices, top.values)} if top is not None else {}
-            entry[token] = float(lp[token])
-            logprobs.append(entry)
-        return tokens, logprobs
+        logits = logits.to(torch.float32)
+        batched = [i for i, row in enumerate(rows)
+                   if row.generator is None and not row.suppress_token_ids and not has_penalties(row.params)]
+        tokens: list[int] = [0] * len(rows)
+        if batched:
+            idx = torch.tensor(batched, dtype=torch.long, device=logits.device)
+            drawn = sample_batch(logits[idx], [rows[i].params for i in batched], self._generator_for(logits.device))
+            for i, token in zip(batched, drawn.tolist()):
+                tokens[i] = token
+        in_batch = set(batched)
+        single = [i for i in range(len(rows)) if i not in in_batch]
+        if single:
+            host = logits[torch.tensor(single, dtype=torch.long, device=logits.device)].cpu()
+            for raw, i in zip(host, single):
+                tokens[i] = self._sample_one(raw, rows[i])
+        return tokens, self._logprobs(logits, rows, tokens)
+
+    def _sample_one(self, raw: torch.Tensor, row: SamplingRow) -> int:
+        """One row ``[vocab]`` (fp32, CPU) with penalties, banned ids and its own generator."""
+        x = apply_penalties(raw.clone(), row)
+        if row.suppress_token_ids:
+            x[list(row.suppress_token_ids)] = float("-inf")
+        if row.params.greedy:
+            return int(torch.argmax(x))
+        probs = torch.softmax(filter_logits(x, row.params), dim=-1)
+        gen = row.generator if row.generator is not None else self.generator
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) -> list[dict[int, float] | None]:
+        """Per row None, or the raw log-probabilities of its top ``params.logprobs`` tokens and of its token
+        (computed together on the logits' device, copied back once)."""
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        out: list[dict[int, float] | None] = [None] * len(rows)
+        if not wanted:
+            return out
+        dev = logits.device
+        lp = torch.log_softmax(logits[torch.tensor(wanted, dtype=torch.long, device=dev)], dim=-1)
+        chosen = lp.gather(1, torch.tensor([tokens[i] for i in wanted], dtype=torch.long, device=dev)[:, None])
+        k = max(rows[i].params.logprobs for i in wanted)
+        top = torch.topk(lp, k, dim=-1) if k else None
+        chosen_h = chosen.squeeze(1).tolist()
+        top_v, top_i = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+        for j, i in enumerate(wanted):
+            n = rows[i].params.logprobs
+            entry = {int(t): float(v) for t, v in zip(top_i[j][:n], top_v[j][:n])} if n else {}
+            entry[tokens[i]] = float(chosen_h[j])
+            out[i] = entry
+        return out

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from lightinfer.layers.sampler import Sampler, SamplingRow, apply_penalties, filter_logits
+from lightinfer.layers.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_penalties,
+    filter_logits,
+    filter_logits_batch,
+    sample_batch,
+)
 from lightinfer.sampling_params import SamplingParams
 
 
@@ -66,3 +73,48 @@ def test_logprobs_are_raw_and_include_sampled() -> None:
     raw = torch.log_softmax(LOGITS[0], -1)
     assert toks == [0]
     assert set(lps[0]) == {5, 0} and abs(lps[0][5] - float(raw[5])) < 1e-6
+
+
+BATCH_PARAMS = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.3, top_k=3),
+    SamplingParams(temperature=1.0, top_p=0.8),
+    SamplingParams(temperature=0.9, min_p=0.2),
+    SamplingParams(temperature=1.1, top_k=40, top_p=0.9, min_p=0.05),
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=2.0, top_k=1),
+]
+
+
+def test_batched_filter_is_filter_logits_row_by_row() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(BATCH_PARAMS), 64, generator=gen) * 3
+    logits[0, :4] = 1.5  # ties
+    got = filter_logits_batch(logits, BATCH_PARAMS)
+    for i, p in enumerate(BATCH_PARAMS):
+        want = logits[i] if p.greedy else filter_logits(logits[i].clone(), p)
+        assert torch.equal(torch.isfinite(got[i]), torch.isfinite(want)), p
+        torch.testing.assert_close(got[i][torch.isfinite(want)], want[torch.isfinite(want)])
+
+
+def test_batched_draws_follow_the_filtered_distribution() -> None:
+    # 40,000 rows of one distribution: the exponential race must give each kept token its probability.
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.1, -1.0, 3.0]]).repeat(40_000, 1)
+    for p in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, top_p=0.9)):
+        want = torch.softmax(filter_logits(logits[0].clone(), p), -1)
+        drawn = sample_batch(logits, [p] * len(logits), torch.Generator().manual_seed(1))
+        freq = torch.bincount(drawn, minlength=6).double() / len(drawn)
+        assert (freq[want == 0] == 0).all(), (p, freq)
+        torch.testing.assert_close(freq, want.double(), atol=0.01, rtol=0)
+
+
+def test_sampler_batches_plain_rows_and_keeps_seeded_rows_on_their_generator() -> None:
+    s = Sampler(3)
+    logits = LOGITS.repeat(4, 1)
+    rows = [row(SamplingParams(temperature=0)), row(SamplingParams(temperature=1.0, top_k=1)),
+            row(SamplingParams(temperature=1.0, seed=5), gen=torch.Generator().manual_seed(5)),
+            row(SamplingParams(temperature=0, frequency_penalty=2.0), out=[5])]
+    toks, _ = s(logits, rows)
+    g = torch.Generator().manual_seed(5)
+    assert toks[:2] == [5, 5] and toks[3] == 0
+    assert toks[2] == int(torch.multinomial(torch.softmax(LOGITS[0], -1), 1, generator=g))
