@@ -90,8 +90,10 @@ def run_lightinfer(args: argparse.Namespace, requests: list[Request], b1_prompt:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=True, seed=i)
-              for i, r in enumerate(requests)]
+    # As vLLM's benchmark_throughput: no per-request seed (the engine's generator is seeded; a seed per
+    # request would cost one noise kernel per row and step).
+    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=True)
+              for r in requests]
     preempt0 = engine.scheduler.num_preemptions
     _sync()
     t = time.perf_counter()

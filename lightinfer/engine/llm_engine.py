@@ -205,7 +205,7 @@ class LLMEngine:
         for i in range(p.n):
             gen = None
             if p.seed is not None:
-                gen = torch.Generator(device="cpu")
+                gen = torch.Generator(device=self.config.torch_device)  # the sampler draws on the device
                 gen.manual_seed(p.seed + i)
             req.generators.append(gen)
             req.detoks.append(IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens))

@@ -95,17 +95,20 @@ def filter_logits_batch(logits: torch.Tensor, params: list[SamplingParams]) -> t
     return torch.empty_like(x).scatter_(1, order, vals)
 
 
-def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator) -> torch.Tensor:
-    """One token per row, on the logits' device, for rows without penalties, banned ids or a seed.
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator,
+                 row_generators: dict[int, torch.Generator] | None = None) -> torch.Tensor:
+    """One token per row, all rows at once on the logits' device.
 
-    The batched twin of :func:`filter_logits` + ``torch.multinomial``: :func:`filter_logits_batch`, then
-    the draw by the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d.: token ``j`` wins with
-    probability ``p_j``), which needs no device sync and no per-row work. Greedy rows take the argmax.
+    :func:`filter_logits_batch`, then the draw by the exponential race (``argmax(p / E)`` with
+    ``E ~ Exp(1)`` i.i.d.: token ``j`` wins with probability ``p_j``; vLLM samples the same way), which
+    needs no device sync and no per-row work. Greedy rows take the argmax.
 
     Args:
-        logits: fp32 ``[R, vocab]``.
+        logits: fp32 ``[R, vocab]`` (penalties and banned ids already applied).
         params: one :class:`SamplingParams` per row.
-        generator: a generator on ``logits.device`` for the noise.
+        generator: a generator on ``logits.device`` for the noise of rows without their own.
+        row_generators: row -> the request's own generator (on ``logits.device``): that row's noise
+            comes from it alone, so its draws do not depend on the rest of the batch.
     Returns:
         int64 ``[R]`` token ids on ``logits.device``.
     """
@@ -113,19 +116,22 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generator: 
     if all(p.greedy for p in params):
         return argmax
     probs = torch.softmax(filter_logits_batch(logits, params), dim=-1)
-    noise = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
-    sampled = (probs / noise).argmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for row, gen in (row_generators or {}).items():
+        if not params[row].greedy:
+            noise[row].exponential_(generator=gen)
+    sampled = (probs / noise.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
     greedy = torch.tensor([p.greedy for p in params], device=logits.device)
     return torch.where(greedy, argmax, sampled)
 
 
 class Sampler:
-    """Samples one token per row.
+    """Samples one token per row, on the device of the logits.
 
-    Rows without penalties, banned ids or a seed of their own (the common case, and every row of a
-    benchmark) are sampled together on the logits' device (:func:`sample_batch`): only the token ids
-    come back to the host. The others go one by one on the CPU, where a seeded request's own
-    generator makes its draws independent of the batch it shares.
+    All rows go through one batched draw (:func:`sample_batch`); only the token ids (and requested
+    logprobs) come back to the host. Rows with penalties or banned ids get them applied to their own
+    row first; a request with a seed draws its noise from its own generator, so its tokens do not
+    depend on the batch it shares.
 
     Args:
         seed: seed of the shared generators (one per device) used by requests without their own seed.
@@ -133,17 +139,15 @@ class Sampler:
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
-        self.generator = torch.Generator(device="cpu")
-        self.generator.manual_seed(seed)
-        self._device_generators: dict[torch.device, torch.Generator] = {}
+        self._generators: dict[torch.device, torch.Generator] = {}
 
-    def _generator_for(self, device: torch.device) -> torch.Generator:
-        if device.type == "cpu":
-            return self.generator
-        if device not in self._device_generators:
-            self._device_generators[device] = torch.Generator(device=device)
-            self._device_generators[device].manual_seed(self.seed)
-        return self._device_generators[device]
+    def generator_for(self, device: torch.device) -> torch.Generator:
+        """The shared generator on ``device`` (created and seeded with ``seed`` at first use)."""
+        device = torch.device(device)
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+            self._generators[device].manual_seed(self.seed)
+        return self._generators[device]
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SamplingRow]
@@ -152,39 +156,24 @@ class Sampler:
 
         Args:
             logits: fp32 ``[len(rows), vocab]``, on any device.
-            rows: one :class:`SamplingRow` per logits row.
+            rows: one :class:`SamplingRow` per logits row; a row's ``generator`` must be on that device.
         Returns:
             ``(token_ids, logprobs)``: a token per row, and per row either None or
             ``{token_id: logprob}`` for the top ``params.logprobs`` tokens plus the sampled one
             (log-probabilities of the model's raw distribution, before penalties and filters).
         """
-        logits = logits.to(torch.float32)
-        batched = [i for i, row in enumerate(rows)
-                   if row.generator is None and not row.suppress_token_ids and not has_penalties(row.params)]
-        tokens: list[int] = [0] * len(rows)
-        if batched:
-            idx = torch.tensor(batched, dtype=torch.long, device=logits.device)
-            drawn = sample_batch(logits[idx], [rows[i].params for i in batched], self._generator_for(logits.device))
-            for i, token in zip(batched, drawn.tolist()):
-                tokens[i] = token
-        in_batch = set(batched)
-        single = [i for i in range(len(rows)) if i not in in_batch]
-        if single:
-            host = logits[torch.tensor(single, dtype=torch.long, device=logits.device)].cpu()
-            for raw, i in zip(host, single):
-                tokens[i] = self._sample_one(raw, rows[i])
-        return tokens, self._logprobs(logits, rows, tokens)
-
-    def _sample_one(self, raw: torch.Tensor, row: SamplingRow) -> int:
-        """One row ``[vocab]`` (fp32, CPU) with penalties, banned ids and its own generator."""
-        x = apply_penalties(raw.clone(), row)
-        if row.suppress_token_ids:
-            x[list(row.suppress_token_ids)] = float("-inf")
-        if row.params.greedy:
-            return int(torch.argmax(x))
-        probs = torch.softmax(filter_logits(x, row.params), dim=-1)
-        gen = row.generator if row.generator is not None else self.generator
-        return int(torch.multinomial(probs, 1, generator=gen))
+        raw = logits.to(torch.float32)
+        x = raw
+        adjust = [i for i, row in enumerate(rows) if row.suppress_token_ids or has_penalties(row.params)]
+        if adjust:
+            x = raw.clone()
+            for i in adjust:
+                apply_penalties(x[i], rows[i])  # in place, on the row's view
+                if rows[i].suppress_token_ids:
+                    x[i, list(rows[i].suppress_token_ids)] = float("-inf")
+        own = {i: row.generator for i, row in enumerate(rows) if row.generator is not None}
+        tokens = sample_batch(x, [row.params for row in rows], self.generator_for(raw.device), own).tolist()
+        return tokens, self._logprobs(raw, rows, tokens)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) -> list[dict[int, float] | None]:

@@ -108,13 +108,15 @@ def test_batched_draws_follow_the_filtered_distribution() -> None:
         torch.testing.assert_close(freq, want.double(), atol=0.01, rtol=0)
 
 
-def test_sampler_batches_plain_rows_and_keeps_seeded_rows_on_their_generator() -> None:
+def test_sampler_mixes_plain_penalised_banned_and_seeded_rows() -> None:
     s = Sampler(3)
-    logits = LOGITS.repeat(4, 1)
+    seeded = SamplingParams(temperature=1.0, seed=5)
     rows = [row(SamplingParams(temperature=0)), row(SamplingParams(temperature=1.0, top_k=1)),
-            row(SamplingParams(temperature=1.0, seed=5), gen=torch.Generator().manual_seed(5)),
-            row(SamplingParams(temperature=0, frequency_penalty=2.0), out=[5])]
-    toks, _ = s(logits, rows)
-    g = torch.Generator().manual_seed(5)
-    assert toks[:2] == [5, 5] and toks[3] == 0
-    assert toks[2] == int(torch.multinomial(torch.softmax(LOGITS[0], -1), 1, generator=g))
+            row(seeded, gen=torch.Generator().manual_seed(5)),
+            row(SamplingParams(temperature=0, frequency_penalty=2.0), out=[5]),
+            SamplingRow(SamplingParams(temperature=0), [1], [], None, suppress_token_ids=(5,))]
+    toks, _ = s(LOGITS.repeat(len(rows), 1), rows)
+    assert toks[:2] == [5, 5] and toks[3] == 0 and toks[4] == 0
+    # the seeded row drew from its own generator only: alone, with a fresh one, it draws the same
+    alone, _ = Sampler(99)(LOGITS, [row(seeded, gen=torch.Generator().manual_seed(5))])
+    assert toks[2] == alone[0]

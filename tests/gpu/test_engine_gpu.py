@@ -180,3 +180,14 @@ def test_smollm2_awq_int8_gpu_matches_cpu() -> None:
           f"{[round(p, 3) for p in per_prompt]}")
     print("GPU answer 0:", gpu.tokenizer.decode(b[0]))
     assert total >= 0.95
+
+
+def test_seeded_requests_reproduce_on_gpu(tiny) -> None:
+    # Sampling runs on the GPU (batched exponential race); a seeded request draws from its own CUDA
+    # generator, so its tokens are the same alone and next to other requests.
+    llm = LLM(str(tiny), device="cuda", dtype="float16", num_kv_blocks=128)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, ignore_eos=True, seed=11)
+    alone = llm.generate([PROMPTS[0]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    mixed = llm.generate(PROMPTS[:4], [seeded] + [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)] * 3,
+                         use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == mixed and len(set(alone)) > 1
