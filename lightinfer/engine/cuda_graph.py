@@ -91,11 +91,21 @@ class DecodeGraphRunner:
         self.device = device
         self.use_cuda_graphs = use_cuda_graphs
         max_bs = self.batch_sizes[-1]
-        self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_bs, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.long, device=device)
-        self.context_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros((max_bs, max_blocks_per_seq), dtype=torch.int32, device=device)
+        # The static inputs are views of two flat buffers, each filled on the host (pinned memory on
+        # CUDA) and uploaded by one asynchronous copy per step, where one synchronous pageable copy per
+        # tensor each waited for the stream (5 per step).
+        #   i64: [input_ids | positions | slot_mapping], max_bs each
+        #   i32: [context_lens (max_bs) | block_tables (max_bs x max_blocks_per_seq, row-major)]
+        pin = device.type == "cuda"
+        self._host_i64 = torch.zeros(3 * max_bs, dtype=torch.long, pin_memory=pin)
+        self._host_i32 = torch.zeros(max_bs * (1 + max_blocks_per_seq), dtype=torch.int32, pin_memory=pin)
+        self._i64 = torch.zeros_like(self._host_i64, device=device)
+        self._i32 = torch.zeros_like(self._host_i32, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self._i64.view(3, max_bs).unbind(0)
+        self.context_lens = self._i32[:max_bs]
+        self.block_tables = self._i32[max_bs:].view(max_bs, max_blocks_per_seq)
+        self._uploaded: torch.cuda.Event | None = None  # the last upload, on CUDA (its host buffers are busy)
+        self._pad_all_rows()
         self.hidden = torch.zeros((max_bs, hidden_size), dtype=dtype, device=device)
         self.host_embedding = host_embedding
         self.inputs_embeds = (torch.zeros((max_bs, hidden_size), dtype=dtype, device=device)
@@ -119,6 +129,16 @@ class DecodeGraphRunner:
                 and step.max_num_blocks <= self.max_blocks_per_seq)
 
     # ------------------------------------------------------------------ buffers
+    def _pad_all_rows(self) -> None:
+        """Every static row a padding row (module docstring), on the host and on the device."""
+        h64 = self._host_i64.view(3, self.max_batch_size)
+        h64[:2].zero_()
+        h64[2].fill_(-1)
+        self._host_i32.zero_()
+        self._host_i32[:self.max_batch_size].fill_(1)
+        self._i64.copy_(self._host_i64)
+        self._i32.copy_(self._host_i32)
+
     def load(self, step: StepInputs) -> int:
         """Copy ``step``'s decodes into the static buffers, padding up to a captured size.
 
@@ -135,17 +155,27 @@ class DecodeGraphRunner:
         bs = self.padded_batch_size(n)
         assert bs is not None
         pad = bs - n
+        max_bs, table_width = self.max_batch_size, self.max_blocks_per_seq
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # normally long done: the last step's tokens were read back
         ids = step.input_ids + [0] * pad
-        self.input_ids[:bs].copy_(torch.tensor(ids, dtype=torch.long))
+        h64 = self._host_i64.view(3, max_bs)
+        h64[:, :bs] = torch.tensor([ids, step.positions + [0] * pad, step.slot_mapping + [-1] * pad],
+                                   dtype=torch.long)
+        h32 = self._host_i32
+        h32[:bs] = torch.tensor(step.context_lens + [1] * pad, dtype=torch.int32)
+        # Only the step's widest table is written: a row's entries past its context are never read
+        # (the kernels bound every read by context_lens), so stale ones may stay there.
+        width = step.max_num_blocks
+        h32[max_bs:].view(max_bs, table_width)[:bs, :width] = block_table_tensor(step.block_tables, bs, width, fill=0)
+        self._i64.copy_(self._host_i64, non_blocking=True)
+        used = max_bs + bs * table_width  # context_lens and the first bs table rows: one contiguous range
+        self._i32[:used].copy_(self._host_i32[:used], non_blocking=True)
+        if self.device.type == "cuda":
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
         if self.host_embedding is not None:
             self.inputs_embeds[:bs].copy_(self.host_embedding.lookup(ids, self.device))
-        self.positions[:bs].copy_(torch.tensor(step.positions + [0] * pad, dtype=torch.long))
-        self.slot_mapping[:bs].copy_(torch.tensor(step.slot_mapping + [-1] * pad, dtype=torch.long))
-        self.context_lens[:bs].copy_(torch.tensor(step.context_lens + [1] * pad, dtype=torch.int32))
-        # Only the step's widest table is copied: a row's entries past its context are never
-        # read (the kernels bound every read by context_lens), so stale ones may stay there.
-        width = step.max_num_blocks
-        self.block_tables[:bs, :width].copy_(block_table_tensor(step.block_tables, bs, width, fill=0))
         return bs
 
     def _forward(self, bs: int) -> None:
@@ -193,12 +223,7 @@ class DecodeGraphRunner:
         """
         if not self.use_cuda_graphs:
             return
-        # Every row padding: the warm-up runs write nothing into the KV cache (slot -1).
-        self.input_ids.zero_()
-        self.positions.zero_()
-        self.slot_mapping.fill_(-1)
-        self.context_lens.fill_(1)
-        self.block_tables.zero_()
+        self._pad_all_rows()  # the warm-up runs write nothing into the KV cache (slot -1)
         start = time.perf_counter()
         for bs in reversed(self.batch_sizes):
             self._forward(bs)  # warm-up
