@@ -6,6 +6,9 @@ import pytest
 import torch
 from lightinfer.kernels import reference as ref
 from lightinfer.kernels.paged_attention import (
+    MIN_PARTITION_SIZE,
+    PARTITION_SIZE,
+    decode_partition_size,
     paged_attention_decode,
     paged_attention_decode_impl,
     paged_attention_prefill,
@@ -174,3 +177,12 @@ def test_head_major_scales_give_identical_results() -> None:
                        paged_attention_prefill(qp, kc, vc, cu, lens, table, 0.2, *hm))
     with pytest.raises(ValueError, match="same strides"):
         paged_attention_decode(q, kc, vc, table, lens, 0.2, hm[0], *aux[1:])
+
+
+def test_small_batches_get_the_smallest_partitions_whatever_the_table_width() -> None:
+    # max_ctx is the block-table bound (max_model_len inside a CUDA graph), not the real context: a
+    # partition sized from it would leave a short chat on one program per KV head.
+    cpu = torch.device("cpu")  # the interpreter counts 4 SMs: fewer than 8 programs is "small"
+    assert decode_partition_size(1, 2, 4096, cpu) == MIN_PARTITION_SIZE
+    assert decode_partition_size(8, 2, 4096, cpu) == PARTITION_SIZE
+    assert decode_partition_size(8, 2, 200, cpu) == 2 * MIN_PARTITION_SIZE
