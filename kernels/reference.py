@@ -473,6 +473,32 @@ def rotary_qk(
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
+def rope_store_kvcache(
+    positions: torch.Tensor,
+    qkv: torch.Tensor | SplitKPartials,
+    num_heads: int,
+    num_kv_heads: int,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    k_zero: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    v_zero: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A fused qkv projection's output ``[T, (Hq + 2 Hk) D]`` (or its split-K partials): q and k rotated
+    (:func:`rotary_qk`), k and v written at ``slot_mapping`` (:func:`store_kvcache`); returns q ``[T, Hq, D]``."""
+    if isinstance(qkv, SplitKPartials):
+        qkv = qkv.reduced()
+    t, d = qkv.shape[0], 2 * cos_cache.shape[1]
+    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    q, k = rotary_qk(positions, q.reshape(t, num_heads, d), k.reshape(t, num_kv_heads, d), cos_cache, sin_cache)
+    store_kvcache(k, v.reshape(t, num_kv_heads, d), k_cache, v_cache, slot_mapping, k_scale, k_zero, v_scale, v_zero)
+    return q
+
+
 def silu_and_mul(x: torch.Tensor | SplitKPartials) -> torch.Tensor:
     """``x [..., 2 I]`` (or a GEMM's unreduced :class:`SplitKPartials`) -> ``silu(x[..., :I]) * x[..., I:]``."""
     if isinstance(x, SplitKPartials):

@@ -35,10 +35,10 @@ SMEM_LIMIT_BYTES = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024
 
 def all_launch_specs() -> list[Any]:
     """Every :class:`LaunchSpec` of every launcher in this package."""
-    from . import kv_store, norm_rope, paged_attention, w4a16_gemm
+    from . import kv_store, norm_rope, paged_attention, rope_store, w4a16_gemm
 
     specs: list[Any] = []
-    for mod in (w4a16_gemm, paged_attention, kv_store, norm_rope):
+    for mod in (w4a16_gemm, paged_attention, kv_store, norm_rope, rope_store):
         specs.extend(mod.launch_specs())
     return specs
 

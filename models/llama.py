@@ -68,9 +68,14 @@ class LlamaAttention(nn.Module):
         fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         if fused is not None:
             self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = fused, None, None, None
+            if isinstance(fused, W4A16Linear) and self.q_norm is None:
+                fused.defer_reduce = True  # Attention.forward_qkv sums its split-K partials
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """positions ``[T]``, hidden ``[T, hidden]`` -> ``[T, hidden]``."""
+        if self.qkv_proj is not None and self.q_norm is None:
+            # RoPE and the KV-cache write fused with the projection's epilogue (Attention.forward_qkv)
+            return self.o_proj(self.attn.forward_qkv(positions, self.qkv_proj(hidden_states), self.rotary_emb))
         t = hidden_states.shape[0]
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(hidden_states).split(self.qkv_sizes, dim=-1)

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightinfer.kernels._common import SplitKPartials
 from lightinfer.layers.ops import ops_for
+from lightinfer.layers.rotary import RotaryEmbedding
 
 
 @dataclass
@@ -106,8 +108,46 @@ class Attention(nn.Module):
             assert ctx.cu_seqlens_q is not None, "no KV cache bound and no cu_seqlens to attend within"
             out = ops.varlen_causal_attention(q, k, v, ctx.cu_seqlens_q, self.scale)
             return out.reshape(q.shape[0], -1)
-        scales = (self.k_scale, self.k_zero, self.v_scale, self.v_zero)
-        ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, *scales)
+        ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, *self._scales)
+        return self._attend(q, ctx)
+
+    def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor | SplitKPartials,
+                    rotary_emb: RotaryEmbedding) -> torch.Tensor:
+        """From a fused qkv projection's output: RoPE, then :meth:`forward`.
+
+        With a KV cache bound, one op (``rope_store_kvcache``) sums split-K partials, rotates q and k
+        and writes k and v into the cache, where the reduction, ``rotary_qk`` and ``store_kvcache``
+        were three launches per layer.
+
+        Args:
+            positions: ``[T]`` token positions.
+            qkv: ``[T, (H + 2 Hkv) * D]`` (q | k | v), or a W4A16 GEMM's :class:`SplitKPartials` of it.
+            rotary_emb: the model's rotary table.
+        Returns:
+            ``[T, H * D]``.
+        """
+        ctx = get_context()
+        if ctx.no_cache or self.k_cache.numel() == 0:
+            if isinstance(qkv, SplitKPartials):
+                qkv = qkv.reduced()
+            t, d = qkv.shape[0], self.head_dim
+            q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+            q, k = rotary_emb(positions, q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d))
+            return self.forward(q, k, v.reshape(t, self.num_kv_heads, d))
+        x = qkv.partials if isinstance(qkv, SplitKPartials) else qkv
+        q = ops_for(x).rope_store_kvcache(positions, qkv, self.num_heads, self.num_kv_heads, rotary_emb.cos_cache,
+                                          rotary_emb.sin_cache, self.k_cache, self.v_cache, ctx.slot_mapping,
+                                          *self._scales)
+        return self._attend(q, ctx)
+
+    @property
+    def _scales(self) -> tuple[torch.Tensor | None, ...]:
+        return self.k_scale, self.k_zero, self.v_scale, self.v_zero
+
+    def _attend(self, q: torch.Tensor, ctx: AttentionMetadata) -> torch.Tensor:
+        """q ``[T, H, D]`` against the cache (this step's k/v already in it) -> ``[T, H * D]``."""
+        ops = ops_for(q)
+        scales = self._scales
         out = torch.empty_like(q)
         nd = ctx.num_decodes
         if nd:

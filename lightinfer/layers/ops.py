@@ -19,7 +19,7 @@ from lightinfer.kernels import reference
 @functools.lru_cache(maxsize=1)
 def _triton_ops() -> types.SimpleNamespace:
     # Imported lazily: importing Triton costs seconds and is useless on a CPU.
-    from lightinfer.kernels import kv_store, norm_rope, paged_attention, w4a16_gemm
+    from lightinfer.kernels import kv_store, norm_rope, paged_attention, rope_store, w4a16_gemm
 
     return types.SimpleNamespace(
         w4a16_gemm=w4a16_gemm.w4a16_gemm,
@@ -30,6 +30,7 @@ def _triton_ops() -> types.SimpleNamespace:
         rms_norm=norm_rope.rms_norm,
         fused_add_rms_norm=norm_rope.fused_add_rms_norm,
         rotary_qk=norm_rope.rotary_qk,
+        rope_store_kvcache=rope_store.rope_store_kvcache,
         silu_and_mul=norm_rope.silu_and_mul,
     )
 

@@ -214,3 +214,32 @@ def test_norm_rope_act_real_shapes() -> None:
         assert _rel_err(got, want) < 1e-3
     y = torch.randn(512, 2 * 14336, device=DEV, dtype=torch.float16)
     assert _rel_err(nr.silu_and_mul(y), ref.silu_and_mul(y)) < 1e-3
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(32, 32), (32, 8)])  # Llama-2-7B, Llama-3-8B
+def test_rope_store_real_shapes(num_heads: int, num_kv_heads: int) -> None:
+    # The fused qkv epilogue (split-K partials + bias -> RoPE -> INT8 KV store) against the unfused
+    # reference sequence: q to rounding, the cache codes within one step of the quantizer's grid.
+    from lightinfer.kernels._common import SplitKPartials
+    from lightinfer.kernels.rope_store import rope_store_kvcache
+
+    t, d, bs = 64, 128, 16
+    width = (num_heads + 2 * num_kv_heads) * d
+    qkv = SplitKPartials(torch.randn(6, t, width, device=DEV), torch.randn(width, device=DEV).half(), torch.float16)
+    pos = torch.randint(0, 8192, (t,), device=DEV)
+    tables = (torch.randn(8192, d // 2, device=DEV), torch.randn(8192, d // 2, device=DEV))
+    slots = torch.randperm(64 * bs, device=DEV)[:t]
+    slots[::7] = -1
+    out = []
+    for fn in (ref.rope_store_kvcache, rope_store_kvcache):
+        kc = torch.zeros(64, bs, num_kv_heads, d, dtype=torch.int8, device=DEV)
+        vc = torch.zeros_like(kc)
+        aux = [torch.zeros(64, bs, num_kv_heads, dtype=torch.float16, device=DEV) for _ in range(4)]
+        q = fn(pos, qkv, num_heads, num_kv_heads, *tables, kc, vc, slots, *aux)
+        out.append((q, kc, vc, *aux))
+    (q_ref, *cache_ref), (q_got, *cache_got) = out
+    assert _rel_err(q_got, q_ref) < 1e-3
+    for got, want in zip(cache_got[:2], cache_ref[:2]):
+        assert (got.int() - want.int()).abs().max() <= 1
+    for got, want in zip(cache_got[2:], cache_ref[2:]):
+        assert _rel_err(got, want) < 1e-3
