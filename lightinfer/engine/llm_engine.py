@@ -256,7 +256,10 @@ class LLMEngine:
         self.scheduler.postprocess(out)
         sampled = [s for s in out.scheduled if s.completes_prompt]
         rows, targets = self._sampling_rows(sampled)
-        row_logits = logits[torch.tensor([r for r, _, _ in targets], dtype=torch.long, device=logits.device)]
+        row_idx = [r for r, _, _ in targets]
+        # One row per sequence, in order (no n > 1 fork this step): the logits as they are, no gather.
+        row_logits = logits if row_idx == list(range(logits.shape[0])) else \
+            logits[torch.tensor(row_idx, dtype=torch.long, device=logits.device)]
         tokens, logprobs = self.sampler(row_logits, rows)
         # Fork every new completion before any token is appended: children copy the parent's tokens.
         owners: list[Sequence] = []

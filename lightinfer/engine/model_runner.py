@@ -316,7 +316,6 @@ class ModelRunner:
         """
         self.copy_blocks(out.block_copies)
         step = build_step_inputs(out, all_logits, self.config.block_size)
-        logits_idx = torch.tensor(step.logits_idx, dtype=torch.long, device=self.device)
         try:
             if self.graph_runner is not None and not all_logits and self.graph_runner.can_run(step):
                 hidden = self.graph_runner.run(step)
@@ -328,8 +327,11 @@ class ModelRunner:
                     hidden = self.model(torch.tensor(step.input_ids, dtype=torch.long, device=self.device), positions)
             if all_logits:
                 rows = self.config.max_num_seqs
+                logits_idx = torch.tensor(step.logits_idx, dtype=torch.long, device=self.device)
                 return torch.cat([self.model.compute_logits(hidden[logits_idx[i: i + rows]]).cpu()
                                   for i in range(0, len(step.logits_idx), rows)])
-            return self.model.compute_logits(hidden[logits_idx])
+            if len(step.logits_idx) == hidden.shape[0] and step.logits_idx == list(range(hidden.shape[0])):
+                return self.model.compute_logits(hidden)  # decode-only: every row is sampled, in order
+            return self.model.compute_logits(hidden[torch.tensor(step.logits_idx, dtype=torch.long, device=self.device)])
         finally:
             set_context(None)
