@@ -121,3 +121,23 @@ def num_sms(device: torch.device) -> int:
 def next_pow2(n: int) -> int:
     """Smallest power of two >= ``n`` (>= 1)."""
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def check_cache_dtype(name: str, k_cache: torch.Tensor, aux: tuple) -> bool:
+    """Whether ``k_cache`` is INT8; then ``aux`` must be its float16 ``(k_scale, k_zero, v_scale, v_zero)``
+    ``[num_blocks, block_size, num_kv_heads]``, all four with the same strides.
+
+    Raises:
+        ValueError: naming ``name``, for missing or misshapen scales/zeros or a cache dtype outside
+            fp16/bf16/fp32/int8.
+    """
+    quant = k_cache.dtype == torch.int8
+    if quant:
+        want = k_cache.shape[:3]
+        if any(t is None or t.shape != want or t.dtype != torch.float16 for t in aux) or \
+                len({t.stride() for t in aux}) != 1:
+            raise ValueError(f"{name}: an int8 cache needs float16 k_scale, k_zero, v_scale, v_zero of shape "
+                             f"{tuple(want)}, all four with the same strides")
+    elif k_cache.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name}: cache dtype {k_cache.dtype} not in fp16/bf16/fp32/int8")
+    return quant

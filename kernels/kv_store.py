@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, TRITON_DTYPE, LaunchSpec, check_device, next_pow2
+from ._common import FLOAT_DTYPES, TRITON_DTYPE, LaunchSpec, check_cache_dtype, check_device, next_pow2
 
 NUM_WARPS = 4
 HEAD_DIMS = (64, 128)  # head sizes the smem check compiles (the launcher takes any)
@@ -84,6 +84,26 @@ def _store_kv_kernel(
         tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
+def check_store_target(name: str, num_tokens: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor, aux: tuple) -> bool:
+    """Check the caches, slot mapping and INT8 scales/zeros ``aux`` a store writes (module docstring
+    layouts); returns whether the cache is INT8.
+
+    Raises:
+        ValueError: naming ``name``, on a bad shape, dtype or stride.
+    """
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[2:] != (num_kv_heads, head_dim):
+        raise ValueError(f"{name}: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} must be "
+                         f"[num_blocks, block_size, {num_kv_heads}, {head_dim}]")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1 or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"{name}: k_cache and v_cache need one dtype, equal strides and stride 1 on head_dim")
+    if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: slot_mapping must be int32/int64 [{num_tokens}], got "
+                         f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+    quant = check_cache_dtype(name, k_cache, aux)
+    return quant
+
+
 def store_kvcache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -112,27 +132,11 @@ def store_kvcache(
         raise ValueError(f"store_kvcache: key/value must be [num_tokens, num_kv_heads, head_dim], got "
                          f"{tuple(key.shape)} / {tuple(value.shape)}")
     num_tokens, num_kv_heads, head_dim = key.shape
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[2:] != (num_kv_heads, head_dim):
-        raise ValueError(f"store_kvcache: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} must be "
-                         f"[num_blocks, block_size, {num_kv_heads}, {head_dim}]")
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1 or k_cache.dtype != v_cache.dtype:
-        raise ValueError("store_kvcache: k_cache and v_cache need one dtype, equal strides and stride 1 on head_dim")
     if key.dtype not in FLOAT_DTYPES or value.dtype != key.dtype or key.stride(2) != 1 or value.stride(2) != 1:
         raise ValueError(f"store_kvcache: key/value must be one float dtype with stride 1 on head_dim, got "
                          f"{key.dtype}/{value.dtype}")
-    if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"store_kvcache: slot_mapping must be int32/int64 [{num_tokens}], got "
-                         f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}")
-    quant = k_cache.dtype == torch.int8
     aux = (k_scale, k_zero, v_scale, v_zero)
-    if quant:
-        want = k_cache.shape[:3]
-        if any(t is None or t.shape != want or t.dtype != torch.float16 for t in aux) or \
-                len({t.stride() for t in aux}) != 1:
-            raise ValueError(f"store_kvcache: an int8 cache needs float16 k_scale, k_zero, v_scale, v_zero of shape "
-                             f"{tuple(want)}, all four with the same strides")
-    elif k_cache.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"store_kvcache: cache dtype {k_cache.dtype} not in fp16/bf16/fp32/int8")
+    quant = check_store_target("store_kvcache", num_tokens, num_kv_heads, head_dim, k_cache, v_cache, slot_mapping, aux)
     check_device("store_kvcache", key, value, k_cache, v_cache, slot_mapping, *(aux if quant else ()))
     if num_tokens == 0:
         return

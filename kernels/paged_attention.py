@@ -24,7 +24,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, TRITON_DTYPE, LaunchSpec, check_device, next_pow2, num_sms, upcast_dot
+from ._common import (
+    FLOAT_DTYPES,
+    TRITON_DTYPE,
+    LaunchSpec,
+    check_cache_dtype,
+    check_device,
+    next_pow2,
+    num_sms,
+    upcast_dot,
+)
 
 # PROVISIONAL (one H200 run so far): tokens per decode partition. Contexts up to this length run in
 # one kernel; longer ones are split and reduced. Small batches use shorter partitions (more programs).
@@ -323,15 +332,7 @@ def _check_cache(name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"{name}: num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
     if block_tables.dim() != 2 or block_tables.dtype not in (torch.int32, torch.int64) or block_tables.stride(1) != 1:
         raise ValueError(f"{name}: block_tables must be int32/int64 [num_seqs, max_num_blocks], row-contiguous")
-    quant = k_cache.dtype == torch.int8
-    if quant:
-        want = k_cache.shape[:3]
-        if any(t is None or t.shape != want or t.dtype != torch.float16 for t in aux) or \
-                len({t.stride() for t in aux}) != 1:
-            raise ValueError(f"{name}: an int8 cache needs float16 k_scale, k_zero, v_scale, v_zero of shape "
-                             f"{tuple(want)}, all four with the same strides")
-    elif k_cache.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{name}: cache dtype {k_cache.dtype} not in fp16/bf16/fp32/int8")
+    quant = check_cache_dtype(name, k_cache, aux)
     check_device(name, q, k_cache, v_cache, block_tables, *(aux if quant else ()))
     return quant, num_heads // num_kv_heads
 

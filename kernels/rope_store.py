@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ._common import FLOAT_DTYPES, TRITON_DTYPE, LaunchSpec, SplitKPartials, check_device, next_pow2
-from .kv_store import _quantize_rows
+from .kv_store import _quantize_rows, check_store_target
 from .norm_rope import _kernel_input, _load_input
 
 NUM_WARPS = 4
@@ -150,21 +150,8 @@ def rope_store_kvcache(
     t = qkv.shape[0]
     if positions.shape != (t,) or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"rope_store_kvcache: positions must be int32/int64 [{t}], got {tuple(positions.shape)}")
-    if slot_mapping.shape != (t,) or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"rope_store_kvcache: slot_mapping must be int32/int64 [{t}], got "
-                         f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[2:] != (num_kv_heads, d) \
-            or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1 or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"rope_store_kvcache: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} must be "
-                         f"[num_blocks, block_size, {num_kv_heads}, {d}], one dtype, equal strides, stride 1 on D")
-    quant = k_cache.dtype == torch.int8
     aux = (k_scale, k_zero, v_scale, v_zero)
-    if quant and (any(a is None or a.shape != k_cache.shape[:3] or a.dtype != torch.float16 for a in aux)
-                  or len({a.stride() for a in aux}) != 1):
-        raise ValueError(f"rope_store_kvcache: an int8 cache needs float16 k_scale, k_zero, v_scale, v_zero of shape "
-                         f"{tuple(k_cache.shape[:3])}, all four with the same strides")
-    if not quant and k_cache.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"rope_store_kvcache: cache dtype {k_cache.dtype} not in fp16/bf16/fp32/int8")
+    quant = check_store_target("rope_store_kvcache", t, num_kv_heads, d, k_cache, v_cache, slot_mapping, aux)
     check_device("rope_store_kvcache", qkv, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping,
                  *(aux if quant else ()))
     x2, split_args, split_ce = _kernel_input("rope_store_kvcache", qkv)

@@ -34,6 +34,13 @@ LINEAR_SHAPES = [(4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096),
                  (4096, 6144), (4096, 28672), (14336, 4096)]
 
 
+def _int8_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """Zeroed INT8 ``(k_cache, v_cache, k_scale, k_zero, v_scale, v_zero)`` on the GPU."""
+    kc = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.int8, device=DEV)
+    aux = [torch.zeros(num_blocks, block_size, num_kv_heads, dtype=torch.float16, device=DEV) for _ in range(4)]
+    return (kc, torch.zeros_like(kc), *aux)
+
+
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12))
 
@@ -186,11 +193,9 @@ def test_kv_store_matches_reference_bitwise() -> None:
     slots[::97] = -1
     out = []
     for fn in (ref.store_kvcache, store_kvcache):
-        kc = torch.zeros(512, bs, h, d, dtype=torch.int8, device=DEV)
-        vc = torch.zeros_like(kc)
-        aux = [torch.zeros(512, bs, h, dtype=torch.float16, device=DEV) for _ in range(4)]
-        fn(key, value, kc, vc, slots, *aux)
-        out.append((kc, vc, *aux))
+        cache = _int8_cache(512, bs, h, d)
+        fn(key, value, *cache[:2], slots, *cache[2:])
+        out.append(cache)
     for a, b in zip(*out):
         assert torch.equal(a, b)
 
@@ -232,11 +237,9 @@ def test_rope_store_real_shapes(num_heads: int, num_kv_heads: int) -> None:
     slots[::7] = -1
     out = []
     for fn in (ref.rope_store_kvcache, rope_store_kvcache):
-        kc = torch.zeros(64, bs, num_kv_heads, d, dtype=torch.int8, device=DEV)
-        vc = torch.zeros_like(kc)
-        aux = [torch.zeros(64, bs, num_kv_heads, dtype=torch.float16, device=DEV) for _ in range(4)]
-        q = fn(pos, qkv, num_heads, num_kv_heads, *tables, kc, vc, slots, *aux)
-        out.append((q, kc, vc, *aux))
+        cache = _int8_cache(64, bs, num_kv_heads, d)
+        q = fn(pos, qkv, num_heads, num_kv_heads, *tables, *cache[:2], slots, *cache[2:])
+        out.append((q, *cache))
     (q_ref, *cache_ref), (q_got, *cache_got) = out
     assert _rel_err(q_got, q_ref) < 1e-3
     for got, want in zip(cache_got[:2], cache_ref[:2]):
