@@ -39,6 +39,7 @@ from ._common import (
 # one kernel; longer ones are split and reduced. Small batches use shorter partitions (more programs).
 PARTITION_SIZE = 512
 MIN_PARTITION_SIZE = 128  # a multiple of every config's block_n
+MAX_DECODE_SPLITS = 64  # partitions per sequence at most: the reduction holds [splits, head_dim] in registers
 
 
 @dataclass(frozen=True)
@@ -105,33 +106,12 @@ def _gather_pages(bt_row_ptr, n0, n_end, kvh, stride_b, stride_o, stride_h,
 
 
 @triton.jit
-def _load_kv_scales(ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_row_ptr, n0, n_end, kvh, stride_sb, stride_so, stride_sh,
-                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """INT8 cache: the fp16 K and V scales and zeros ``[BLOCK_N]`` of keys ``n0 .. n0 + BLOCK_N`` (0 past
-    ``n_end``), gathered as :func:`_attend_tile` gathers the codes."""
-    if BLOCK_N % BLOCK_SIZE == 0:
-        srow, t_mask = _gather_pages(bt_row_ptr, n0, n_end, kvh, stride_sb, stride_so, stride_sh, BLOCK_N, BLOCK_SIZE)
-        ks = tl.reshape(tl.load(ks_ptr + srow, mask=t_mask, other=0.0), (BLOCK_N,))
-        kz = tl.reshape(tl.load(kz_ptr + srow, mask=t_mask, other=0.0), (BLOCK_N,))
-        vs = tl.reshape(tl.load(vs_ptr + srow, mask=t_mask, other=0.0), (BLOCK_N,))
-        vz = tl.reshape(tl.load(vz_ptr + srow, mask=t_mask, other=0.0), (BLOCK_N,))
-    else:
-        srow, t_mask = _gather_rows(bt_row_ptr, n0, n_end, kvh, stride_sb, stride_so, stride_sh, BLOCK_N, BLOCK_SIZE)
-        ks = tl.load(ks_ptr + srow, mask=t_mask, other=0.0)
-        kz = tl.load(kz_ptr + srow, mask=t_mask, other=0.0)
-        vs = tl.load(vs_ptr + srow, mask=t_mask, other=0.0)
-        vz = tl.load(vz_ptr + srow, mask=t_mask, other=0.0)
-    return ks, kz, vs, vz
-
-
-@triton.jit
-def _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks, kz, vs, vz, bt_row_ptr,
+def _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_row_ptr,
                  n0, n_end, allowed, offs_d, d_mask, kvh,
-                 stride_cb, stride_co, stride_ch, qk_scale, QUANT: tl.constexpr,
+                 stride_cb, stride_co, stride_ch, stride_sb, stride_so, stride_sh, qk_scale, QUANT: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One online-softmax step over keys ``n0 .. min(n0 + BLOCK_N, n_end)``; ``allowed`` [ROWS, BLOCK_N]
-    masks scores; ``ks, kz, vs, vz`` the tile's INT8 scales and zeros (:func:`_load_kv_scales`; unused for
-    fp16 caches). ``BLOCK_SIZE`` is a constexpr: a run-time divisor costs ~20 instructions per token."""
+    masks scores. ``BLOCK_SIZE`` is a constexpr: a run-time divisor costs ~20 instructions per token."""
     if QUANT and BLOCK_N % BLOCK_SIZE == 0:
         # INT8, whole pages (n0 is a multiple of BLOCK_N): K/V load as [pages, BLOCK_SIZE, D] tiles
         # reshaped to [BLOCK_N, D]. Besides one block-table read per page, this makes Triton convert the
@@ -146,16 +126,22 @@ def _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks, kz, vs, vz, bt_row_
                        (BLOCK_N, BLOCK_D))
         v = tl.reshape(tl.load(vc_ptr + row[:, :, None] + offs_d[None, None, :], mask=kv_mask, other=0),
                        (BLOCK_N, BLOCK_D))
+        srow, _ = _gather_pages(bt_row_ptr, n0, n_end, kvh, stride_sb, stride_so, stride_sh, BLOCK_N, BLOCK_SIZE)
+        ks = tl.reshape(tl.load(ks_ptr + srow, mask=t_mask, other=0.0), (BLOCK_N,)).to(tl.float32)
+        kz = tl.reshape(tl.load(kz_ptr + srow, mask=t_mask, other=0.0), (BLOCK_N,)).to(tl.float32)
+        vs = tl.reshape(tl.load(vs_ptr + srow, mask=t_mask, other=0.0), (BLOCK_N,)).to(tl.float32)
+        vz = tl.reshape(tl.load(vz_ptr + srow, mask=t_mask, other=0.0), (BLOCK_N,)).to(tl.float32)
     else:
         row, t_mask = _gather_rows(bt_row_ptr, n0, n_end, kvh, stride_cb, stride_co, stride_ch, BLOCK_N, BLOCK_SIZE)
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(kc_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0)
         v = tl.load(vc_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0)
-    if QUANT:
-        ks = ks.to(tl.float32)
-        kz = kz.to(tl.float32)
-        vs = vs.to(tl.float32)
-        vz = vz.to(tl.float32)
+        if QUANT:
+            srow, _ = _gather_rows(bt_row_ptr, n0, n_end, kvh, stride_sb, stride_so, stride_sh, BLOCK_N, BLOCK_SIZE)
+            ks = tl.load(ks_ptr + srow, mask=t_mask, other=0.0).to(tl.float32)
+            kz = tl.load(kz_ptr + srow, mask=t_mask, other=0.0).to(tl.float32)
+            vs = tl.load(vs_ptr + srow, mask=t_mask, other=0.0).to(tl.float32)
+            vz = tl.load(vz_ptr + srow, mask=t_mask, other=0.0).to(tl.float32)
     if QUANT:
         k = _int8_to_f16(k)
         v = _int8_to_f16(v)
@@ -207,25 +193,14 @@ def _decode_kernel(
     l_i = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bts
-    # The num_stages pipeliner runs the K/V code loads a tile ahead, but not the INT8 scales and zeros
-    # (2 bytes per thread: too narrow for cp.async): they are loaded a tile ahead here, so their DRAM
-    # latency overlaps a tile of work instead of stalling every step (past ``end`` they load masked).
-    ks_next, kz_next, vs_next, vz_next = 0.0, 0.0, 0.0, 0.0
-    if QUANT:
-        ks_next, kz_next, vs_next, vz_next = _load_kv_scales(ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_row_ptr, start, end,
-                                                             kvh, stride_sb, stride_so, stride_sh, BLOCK_N, BLOCK_SIZE)
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         t_mask = tok < end
         allowed = (offs_g[:, None] >= 0) & t_mask[None, :]
-        ks, kz, vs, vz = ks_next, kz_next, vs_next, vz_next
-        if QUANT:
-            ks_next, kz_next, vs_next, vz_next = _load_kv_scales(ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_row_ptr,
-                                                                 n0 + BLOCK_N, end, kvh, stride_sb, stride_so,
-                                                                 stride_sh, BLOCK_N, BLOCK_SIZE)
-        acc, m_i, l_i = _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks, kz, vs, vz,
+        acc, m_i, l_i = _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
                                      bt_row_ptr, n0, end, allowed, offs_d, d_mask, kvh,
-                                     stride_cb, stride_co, stride_ch, qk_scale, QUANT, BLOCK_SIZE, BLOCK_N, BLOCK_D)
+                                     stride_cb, stride_co, stride_ch, stride_sb, stride_so, stride_sh, qk_scale, QUANT,
+                                     BLOCK_SIZE, BLOCK_N, BLOCK_D)
     if SPLIT:
         # partials: acc [num_seqs, num_heads, max_splits, BLOCK_D], (m, l) [num_seqs, num_heads, max_splits, 2]
         base = (seq * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * max_splits + part
@@ -300,13 +275,10 @@ def _prefill_kernel(
         tok = n0 + tl.arange(0, BLOCK_N)
         t_mask = tok < ctx
         allowed = (tok[None, :] <= pos[:, None]) & t_mask[None, :]
-        ks, kz, vs, vz = 0.0, 0.0, 0.0, 0.0
-        if QUANT:
-            ks, kz, vs, vz = _load_kv_scales(ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_row_ptr, n0, ctx, kvh,
-                                             stride_sb, stride_so, stride_sh, BLOCK_N, BLOCK_SIZE)
-        acc, m_i, l_i = _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks, kz, vs, vz,
+        acc, m_i, l_i = _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
                                      bt_row_ptr, n0, ctx, allowed, offs_d, d_mask, kvh,
-                                     stride_cb, stride_co, stride_ch, qk_scale, QUANT, BLOCK_SIZE, BLOCK_N, BLOCK_D)
+                                     stride_cb, stride_co, stride_ch, stride_sb, stride_so, stride_sh, qk_scale, QUANT,
+                                     BLOCK_SIZE, BLOCK_N, BLOCK_D)
     out = acc / l_i[:, None]
     tl.store(out_ptr + tok_q[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -339,18 +311,21 @@ def _check_cache(name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def decode_partition_size(num_seqs: int, num_kv_heads: int, max_ctx: int, device: torch.device) -> int:
     """Tokens per decode partition: ``PARTITION_SIZE`` (or less when ``max_ctx`` is shorter), and
-    ``MIN_PARTITION_SIZE`` when ``num_seqs * num_kv_heads`` programs would not give every SM two.
+    ``MIN_PARTITION_SIZE`` when ``num_seqs * num_kv_heads`` programs would not give every SM two; never so
+    small that ``max_ctx`` needs more than ``MAX_DECODE_SPLITS`` partitions.
 
     ``max_ctx`` is a bound from the block-table width, not the real context: in a CUDA graph it is
     ``max_model_len``, so a partition size derived from it (4,096 / 9 programs -> 512 at batch 1 on
     Llama-2-7B) left a 300-token chat on one program per KV head, 32 of 132 SMs, walking its
-    tiles one after another. Small batches therefore always get the smallest partitions; the
-    programs past a sequence's context exit at once.
+    tiles one after another. Small batches therefore get the smallest partitions; the programs past
+    a sequence's context exit at once. The cap bounds the reduction's ``[splits, head_dim]`` tile
+    (sm_90: 64 splits fit in 80 registers, 256 spill) and the exiting programs at long ``max_model_len``.
     """
+    fewest = triton.cdiv(triton.cdiv(max(max_ctx, 1), MAX_DECODE_SPLITS), MIN_PARTITION_SIZE) * MIN_PARTITION_SIZE
     if num_seqs * num_kv_heads < 2 * num_sms(device):
-        return MIN_PARTITION_SIZE
-    return max(MIN_PARTITION_SIZE, min(PARTITION_SIZE, triton.cdiv(max(max_ctx, 1), MIN_PARTITION_SIZE)
-                                       * MIN_PARTITION_SIZE))
+        return max(MIN_PARTITION_SIZE, fewest)
+    return max(MIN_PARTITION_SIZE, fewest, min(PARTITION_SIZE, triton.cdiv(max(max_ctx, 1), MIN_PARTITION_SIZE)
+                                               * MIN_PARTITION_SIZE))
 
 
 def paged_attention_decode_impl(
@@ -529,7 +504,7 @@ def launch_specs() -> list[LaunchSpec]:
                 specs.append(LaunchSpec(f"attn_prefill[{cache_dt}]", _prefill_kernel, sig, ce, pc.num_warps,
                                         pc.num_stages))
     for d in HEAD_DIMS:
-        for bs in (2, 16, 64):
+        for bs in (2, 16, MAX_DECODE_SPLITS):
             ce = {"BLOCK_S": bs, "BLOCK_D": d}
             sig = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "ctx_ptr": "*i32", "out_ptr": "*fp16",
                    **dict.fromkeys(["head_dim", "partition_size", "max_splits", "stride_os", "stride_oh"], "i32"),

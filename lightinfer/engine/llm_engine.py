@@ -199,6 +199,9 @@ class LLMEngine:
         sampling_params.validate()
         if sampling_params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer and this engine has none; use stop_token_ids")
+        too_big = [t for t in sampling_params.stop_token_ids if t >= self.vocab_size]
+        if too_big:  # they index the logits row (banned before min_tokens): out of range on the GPU is fatal
+            raise ValueError(f"stop_token_ids {too_big} are outside the vocabulary (ids 0..{self.vocab_size - 1})")
         text, ids = self.encode_prompt(prompt)
         p = sampling_params
         req = Request(request_id, text, ids, p, RequestMetrics(arrival_time or time.monotonic()))

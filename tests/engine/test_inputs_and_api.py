@@ -105,6 +105,8 @@ def test_engine_survives_a_bad_request_among_good_ones(tiny) -> None:
         engine.add_request("bad", [10**7], SamplingParams())
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("good", "again", SamplingParams())
+    with pytest.raises(ValueError, match=r"stop_token_ids \[1000000\] are outside the vocabulary"):
+        engine.add_request("bad_stop", "hi", SamplingParams(stop_token_ids=[10**6], min_tokens=1))
     finished = []
     while engine.has_unfinished_requests():
         finished += [o for o in engine.step() if o.finished]

@@ -184,10 +184,16 @@ def test_smollm2_awq_int8_gpu_matches_cpu() -> None:
 
 def test_seeded_requests_reproduce_on_gpu(tiny) -> None:
     # Sampling runs on the GPU (batched exponential race); a seeded request draws from its own CUDA
-    # generator, so its tokens are the same alone and next to other requests.
+    # generator: the same batch twice gives it the same tokens, another seed other tokens. (Alone vs
+    # in a batch is not compared here: batch 1 takes the GEMV and batch 4 the tiled GEMM, whose logits
+    # differ in rounding, which can flip a near-tied draw; tests/engine/test_sampler.py checks the
+    # draw's batch independence on fixed logits.)
     llm = LLM(str(tiny), device="cuda", dtype="float16", num_kv_blocks=128)
-    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, ignore_eos=True, seed=11)
-    alone = llm.generate([PROMPTS[0]], seeded, use_tqdm=False)[0].outputs[0].token_ids
-    mixed = llm.generate(PROMPTS[:4], [seeded] + [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)] * 3,
-                         use_tqdm=False)[0].outputs[0].token_ids
-    assert alone == mixed and len(set(alone)) > 1
+    others = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)] * 3
+
+    def first(seed: int) -> list[int]:
+        p = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, ignore_eos=True, seed=seed)
+        return llm.generate(PROMPTS[:4], [p, *others], use_tqdm=False)[0].outputs[0].token_ids
+
+    a, b, c = first(11), first(11), first(12)
+    assert a == b and a != c and len(set(a)) > 1

@@ -6,6 +6,7 @@ import pytest
 import torch
 from lightinfer.kernels import reference as ref
 from lightinfer.kernels.paged_attention import (
+    MAX_DECODE_SPLITS,
     MIN_PARTITION_SIZE,
     PARTITION_SIZE,
     decode_partition_size,
@@ -186,3 +187,8 @@ def test_small_batches_get_the_smallest_partitions_whatever_the_table_width() ->
     assert decode_partition_size(1, 2, 4096, cpu) == MIN_PARTITION_SIZE
     assert decode_partition_size(8, 2, 4096, cpu) == PARTITION_SIZE
     assert decode_partition_size(8, 2, 200, cpu) == 2 * MIN_PARTITION_SIZE
+    # ...but never more than MAX_DECODE_SPLITS partitions: the reduction holds [splits, head_dim] in registers
+    for seqs in (1, 8):
+        for max_ctx in (8192, 131072):
+            part = decode_partition_size(seqs, 2, max_ctx, cpu)
+            assert -(-max_ctx // part) <= MAX_DECODE_SPLITS and part % MIN_PARTITION_SIZE == 0
