@@ -163,6 +163,14 @@ def _attend_tile(q, qsum, acc, m_i, l_i, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr,
 
 
 @triton.jit
+def _partition_size(ctx, partition_size, num_splits, TILE: tl.constexpr):
+    """Tokens per decode partition of a ``ctx``-token sequence: ``partition_size``, or when that is 0 the
+    sequence's real context spread over ``num_splits`` partitions of whole ``TILE``-key tiles."""
+    adaptive = tl.cdiv(tl.cdiv(ctx, num_splits), TILE) * TILE
+    return tl.where(partition_size == 0, adaptive, partition_size)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     qk_scale, head_dim, partition_size, max_splits,
@@ -175,6 +183,7 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     part = tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
+    partition_size = _partition_size(ctx, partition_size, max_splits, BLOCK_N)
     start = part * partition_size
     if start >= ctx:
         return  # the reduction reads only the partitions that hold tokens
@@ -216,12 +225,12 @@ def _decode_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     part_acc_ptr, part_ml_ptr, ctx_ptr, out_ptr, head_dim, partition_size, max_splits, stride_os, stride_oh,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     ctx = tl.load(ctx_ptr + seq)
-    n_parts = tl.cdiv(ctx, partition_size)
+    n_parts = tl.cdiv(ctx, _partition_size(ctx, partition_size, max_splits, TILE))
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < n_parts
@@ -230,7 +239,9 @@ def _decode_reduce_kernel(
     l_part = tl.load(part_ml_ptr + base * 2 + 1, mask=s_mask, other=0.0)
     w = tl.exp2(m - tl.max(m, axis=0))  # 0 for empty partitions
     w = tl.where(s_mask, w, 0.0)
-    acc = tl.load(part_acc_ptr + base[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    # lanes past head_dim were never written (torch.empty): masked, not read
+    acc = tl.load(part_acc_ptr + base[:, None] * BLOCK_D + offs_d[None, :],
+                  mask=s_mask[:, None] & (offs_d < head_dim)[None, :], other=0.0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(w * l_part, axis=0)
     tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < head_dim)
@@ -309,23 +320,25 @@ def _check_cache(name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return quant, num_heads // num_kv_heads
 
 
-def decode_partition_size(num_seqs: int, num_kv_heads: int, max_ctx: int, device: torch.device) -> int:
-    """Tokens per decode partition: ``PARTITION_SIZE`` (or less when ``max_ctx`` is shorter), and
-    ``MIN_PARTITION_SIZE`` when ``num_seqs * num_kv_heads`` programs would not give every SM two; never so
-    small that ``max_ctx`` needs more than ``MAX_DECODE_SPLITS`` partitions.
+def decode_split_plan(num_seqs: int, num_kv_heads: int, max_ctx: int, device: torch.device) -> tuple[int, int]:
+    """``(num_splits, partition_size)`` of a decode launch; ``partition_size`` 0 = adaptive.
 
-    ``max_ctx`` is a bound from the block-table width, not the real context: in a CUDA graph it is
-    ``max_model_len``, so a partition size derived from it (4,096 / 9 programs -> 512 at batch 1 on
-    Llama-2-7B) left a 300-token chat on one program per KV head, 32 of 132 SMs, walking its
-    tiles one after another. Small batches therefore get the smallest partitions; the programs past
-    a sequence's context exit at once. The cap bounds the reduction's ``[splits, head_dim]`` tile
-    (sm_90: 64 splits fit in 80 registers, 256 spill) and the exiting programs at long ``max_model_len``.
+    Small batches (``num_seqs * num_kv_heads`` programs would not give every SM two) split each
+    sequence's *real* context, read in the kernel, into ``cdiv(2 SMs, programs)`` (at most
+    ``MAX_DECODE_SPLITS``) partitions of whole tiles. ``max_ctx`` (the block-table width) cannot size
+    them: inside a CUDA graph it is ``max_model_len``, so fixed partitions derived from it either
+    left a 300-token chat on one program per KV head (512-token partitions at batch 1 on
+    Llama-2-7B: 32 of 132 SMs busy) or, made small, launched thousands of programs that exit at once.
+    Larger batches have parallelism to spare: fixed ``PARTITION_SIZE`` partitions (fewer when
+    ``max_ctx`` is short), which only split long contexts.
     """
-    fewest = triton.cdiv(triton.cdiv(max(max_ctx, 1), MAX_DECODE_SPLITS), MIN_PARTITION_SIZE) * MIN_PARTITION_SIZE
-    if num_seqs * num_kv_heads < 2 * num_sms(device):
-        return max(MIN_PARTITION_SIZE, fewest)
-    return max(MIN_PARTITION_SIZE, fewest, min(PARTITION_SIZE, triton.cdiv(max(max_ctx, 1), MIN_PARTITION_SIZE)
-                                               * MIN_PARTITION_SIZE))
+    programs = max(1, num_seqs * num_kv_heads)
+    if programs < 2 * num_sms(device):
+        return min(MAX_DECODE_SPLITS, triton.cdiv(2 * num_sms(device), programs)), 0
+    ctx = max(max_ctx, 1)
+    fewest = triton.cdiv(triton.cdiv(ctx, MAX_DECODE_SPLITS), MIN_PARTITION_SIZE) * MIN_PARTITION_SIZE
+    part = max(fewest, min(PARTITION_SIZE, triton.cdiv(ctx, MIN_PARTITION_SIZE) * MIN_PARTITION_SIZE))
+    return triton.cdiv(ctx, part), part
 
 
 def paged_attention_decode_impl(
@@ -347,10 +360,13 @@ def paged_attention_decode_impl(
     cfg = _config(DECODE_CONFIGS, head_dim)
     block_size = k_cache.shape[1]
     max_ctx = block_tables.shape[1] * block_size  # host-side bound: no device sync for max(context_lens)
-    part = partition_size or decode_partition_size(num_seqs, k_cache.shape[2], max_ctx, q.device)
-    if part % cfg.block_n:
-        raise ValueError(f"paged_attention_decode: partition_size {part} must be a multiple of {cfg.block_n}")
-    num_splits = max(1, triton.cdiv(max_ctx, part))
+    if partition_size is None:
+        num_splits, part = decode_split_plan(num_seqs, k_cache.shape[2], max_ctx, q.device)
+    else:
+        if partition_size <= 0 or partition_size % cfg.block_n:
+            raise ValueError(f"paged_attention_decode: partition_size {partition_size} must be a positive multiple "
+                             f"of {cfg.block_n}")
+        num_splits, part = max(1, triton.cdiv(max_ctx, partition_size)), partition_size
     split = num_splits > 1
     if not split:
         part = max(max_ctx, 1)
@@ -375,7 +391,7 @@ def paged_attention_decode_impl(
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_acc, part_ml, context_lens, out, head_dim, part, num_splits, out.stride(0), out.stride(1),
-            BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d, num_warps=REDUCE_NUM_WARPS,
+            BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d, TILE=cfg.block_n, num_warps=REDUCE_NUM_WARPS,
         )
     return out
 
@@ -505,7 +521,7 @@ def launch_specs() -> list[LaunchSpec]:
                                         pc.num_stages))
     for d in HEAD_DIMS:
         for bs in (2, 16, MAX_DECODE_SPLITS):
-            ce = {"BLOCK_S": bs, "BLOCK_D": d}
+            ce = {"BLOCK_S": bs, "BLOCK_D": d, "TILE": _config(DECODE_CONFIGS, d).block_n}
             sig = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "ctx_ptr": "*i32", "out_ptr": "*fp16",
                    **dict.fromkeys(["head_dim", "partition_size", "max_splits", "stride_os", "stride_oh"], "i32"),
                    **dict.fromkeys(ce, "constexpr")}

@@ -229,13 +229,13 @@ class ModelRunner:
         them: the graphs share one pool). Graphs pass block tables as wide as max_model_len, so
         these buffers grow with it; an eager profiling forward has none of them."""
         from lightinfer.kernels._common import next_pow2
-        from lightinfer.kernels.paged_attention import decode_partition_size
+        from lightinfer.kernels.paged_attention import decode_split_plan
 
         spec, heads = self.kv_spec, self.attention_layers[0].num_heads
         max_ctx = spec.blocks_for(int(self.config.max_model_len)) * spec.block_size
         worst = 0
         for bs in graph_batch_sizes(self._max_decode_batch()):
-            splits = -(-max_ctx // decode_partition_size(bs, spec.num_kv_heads, max_ctx, self.device))
+            splits, _ = decode_split_plan(bs, spec.num_kv_heads, max_ctx, self.device)
             if splits > 1:  # [bs, heads, splits, BLOCK_D] accumulators + [.., 2] max/sum
                 worst = max(worst, bs * heads * splits * (max(16, next_pow2(spec.head_dim)) + 2) * 4)
         return worst

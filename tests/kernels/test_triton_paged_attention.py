@@ -9,7 +9,7 @@ from lightinfer.kernels.paged_attention import (
     MAX_DECODE_SPLITS,
     MIN_PARTITION_SIZE,
     PARTITION_SIZE,
-    decode_partition_size,
+    decode_split_plan,
     paged_attention_decode,
     paged_attention_decode_impl,
     paged_attention_prefill,
@@ -180,15 +180,31 @@ def test_head_major_scales_give_identical_results() -> None:
         paged_attention_decode(q, kc, vc, table, lens, 0.2, hm[0], *aux[1:])
 
 
-def test_small_batches_get_the_smallest_partitions_whatever_the_table_width() -> None:
-    # max_ctx is the block-table bound (max_model_len inside a CUDA graph), not the real context: a
-    # partition sized from it would leave a short chat on one program per KV head.
+def test_small_batches_split_the_real_context_whatever_the_table_width() -> None:
+    # max_ctx is the block-table bound (max_model_len inside a CUDA graph), not the real context: small
+    # batches get a fixed number of partitions that the kernel sizes from each sequence's real context.
     cpu = torch.device("cpu")  # the interpreter counts 4 SMs: fewer than 8 programs is "small"
-    assert decode_partition_size(1, 2, 4096, cpu) == MIN_PARTITION_SIZE
-    assert decode_partition_size(8, 2, 4096, cpu) == PARTITION_SIZE
-    assert decode_partition_size(8, 2, 200, cpu) == 2 * MIN_PARTITION_SIZE
-    # ...but never more than MAX_DECODE_SPLITS partitions: the reduction holds [splits, head_dim] in registers
-    for seqs in (1, 8):
-        for max_ctx in (8192, 131072):
-            part = decode_partition_size(seqs, 2, max_ctx, cpu)
-            assert -(-max_ctx // part) <= MAX_DECODE_SPLITS and part % MIN_PARTITION_SIZE == 0
+    assert decode_split_plan(1, 2, 4096, cpu) == (4, 0) == decode_split_plan(1, 2, 131072, cpu)
+    assert decode_split_plan(1, 1, 4096, cpu) == (8, 0)
+    # larger batches: fixed partitions, never more than MAX_DECODE_SPLITS of them
+    assert decode_split_plan(8, 2, 4096, cpu) == (4096 // PARTITION_SIZE, PARTITION_SIZE)
+    assert decode_split_plan(8, 2, 200, cpu) == (1, 2 * MIN_PARTITION_SIZE)
+    splits, part = decode_split_plan(8, 2, 131072, cpu)
+    assert splits <= MAX_DECODE_SPLITS and part % MIN_PARTITION_SIZE == 0 and splits * part >= 131072
+
+
+@pytest.mark.parametrize("ctx_lens", [[1, 65, 300], [1000, 7, 64]])
+def test_adaptive_partitions_match_the_reference(ctx_lens: list[int]) -> None:
+    # 3 sequences x 1 KV head = 3 programs < 8: the adaptive plan (3 partitions of each real context,
+    # in whole 64-key tiles); a 1,024-token table is much wider than most contexts.
+    gen = torch.Generator().manual_seed(len(ctx_lens))
+    bs, d, hkv, h = 16, 32, 1, 4
+    num_blocks = 1024 // bs
+    table = torch.stack([torch.randperm(num_blocks * 4, generator=gen)[:num_blocks] for _ in ctx_lens]).int()
+    k = torch.randn(num_blocks * 4, bs, hkv, d, generator=gen)
+    v = torch.randn(num_blocks * 4, bs, hkv, d, generator=gen)
+    q = torch.randn(len(ctx_lens), h, d, generator=gen)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32)
+    assert decode_split_plan(len(ctx_lens), hkv, 1024, torch.device("cpu"))[1] == 0
+    got = paged_attention_decode(q, k, v, table, lens, d**-0.5)
+    torch.testing.assert_close(got, ref.paged_attention_decode(q, k, v, table, lens, d**-0.5), atol=1e-5, rtol=1e-5)
