@@ -203,10 +203,12 @@ def bench_gemv_tile_sweep(quick: bool) -> list[dict[str, Any]]:
             sets, nw = _weight_copies(k, n)
             for m in (1, 2):
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-                row: dict[str, Any] = {"shape": name, "M": m, "configured_block_n": base.block_n,
+                row: dict[str, Any] = {"shape": name, "M": m, "configured_block_n": base.rows(m),
                                        "configured_num_stages": base.num_stages}
                 for field, value in variants:
-                    wg.GEMV_CONFIGS[:] = [dataclasses.replace(c, **{field: value}) if c.group_size == GROUP_SIZE
+                    # block_n sets the rows per program at every M (block_n_single too)
+                    change = {field: value, "block_n_single": None} if field == "block_n" else {field: value}
+                    wg.GEMV_CONFIGS[:] = [dataclasses.replace(c, **change) if c.group_size == GROUP_SIZE
                                           else c for c in saved]
                     row[f"{field}{value}_us"] = bench_us(
                         lambda x=x, ws=sets: [wg.w4a16_gemm_path(x, *w, path="gemv") for w in ws], quick, nw)

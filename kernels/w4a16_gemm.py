@@ -59,13 +59,19 @@ SUPPORTED_GROUP_SIZES = (32, 64, 128)
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """GEMV tile: ``block_n`` output rows x one quantization group of K per loop step; ``num_stages``
-    the depth of the loop's software pipeline (``tl.range``: groups of weights in flight + 1; 1 = none)."""
+    """GEMV tile: ``block_n`` output rows x one quantization group of K per loop step (``block_n_single``
+    rows when M == 1, if set); ``num_stages`` the depth of the loop's software pipeline (``tl.range``:
+    groups of weights in flight + 1; 1 = none)."""
 
     group_size: int
     block_n: int
     num_warps: int
     num_stages: int
+    block_n_single: int | None = None
+
+    def rows(self, block_m: int) -> int:
+        """Output rows per program for ``block_m`` rows of x."""
+        return self.block_n_single if block_m == 1 and self.block_n_single else self.block_n
 
 
 @dataclass(frozen=True)
@@ -81,11 +87,15 @@ class TiledConfig:
 
 # BLOCK_N x G = 8K weights per program and step whatever G is (64 per thread at 4 warps). Larger tiles
 # need fewer instructions per weight but more registers and fewer programs: bench/kernels.py's
-# gemv_tile_sweep times the choices (not yet run on a GPU for the current kernel).
+# gemv_tile_sweep times the choices (not yet run on a GPU for the current kernel). At G=128 and M=1
+# the tile is 128 rows: x is converted once per step and reused by twice the rows (sm_90 loop 5.61 ->
+# 4.61 instructions per weight with Triton 3.6, 4.81 -> 4.26 with 3.9; 71 -> 96 registers), and with
+# the weights pipelined fewer programs still keep ~16 KB each in flight. M=2 stays at 64 rows: at 128
+# it needs 214-248 registers.
 GEMV_CONFIGS: list[GemvConfig] = [
     GemvConfig(group_size=32, block_n=256, num_warps=4, num_stages=3),
     GemvConfig(group_size=64, block_n=128, num_warps=4, num_stages=3),
-    GemvConfig(group_size=128, block_n=64, num_warps=4, num_stages=3),
+    GemvConfig(group_size=128, block_n=64, num_warps=4, num_stages=3, block_n_single=128),
 ]
 # Picked by M: the smallest block_m >= M (tl.dot needs tiles >= 16).
 TILED_CONFIGS: list[TiledConfig] = [
@@ -372,7 +382,7 @@ def _split_k(num_programs_mn: int, num_k_steps: int, device: torch.device, waves
 def pick_split_k(m: int, n: int, k: int, group_size: int, path: str, device: torch.device) -> int:
     """The split-K factor the launcher uses for this problem on ``path`` ("gemv" or "tiled")."""
     if path == "gemv":
-        block_n, block_k, grid_m = gemv_config(group_size).block_n, group_size, 1
+        block_n, block_k, grid_m = gemv_config(group_size).rows(next_pow2(m)), group_size, 1
     else:
         cfg = tiled_config(m, device)
         block_n, block_k, grid_m = cfg.block_n, min(cfg.block_k, group_size), triton.cdiv(m, cfg.block_m)
@@ -443,7 +453,8 @@ def w4a16_gemm_path(
         if m > GEMV_FORCED_MAX_M:
             raise ValueError(f"w4a16_gemm: gemv path handles at most {GEMV_FORCED_MAX_M} rows, got M={m}")
         cfg = gemv_config(g)
-        block_m, block_n, block_k = next_pow2(m), cfg.block_n, g
+        block_m, block_k = next_pow2(m), g
+        block_n = cfg.rows(block_m)
         num_warps, num_stages = cfg.num_warps, cfg.num_stages
         grid_mn = (1, triton.cdiv(n, block_n))
     elif path == "tiled":
@@ -527,7 +538,7 @@ def launch_specs(dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> list[Lau
                 for split in (False, True):
                     sig = {**base, "y_ptr": "*fp32" if split else f, **{i: "i32" for i in ints},
                            "num_groups": "i32", "groups_per_split": "i32", "nibble_mask": "i32"}
-                    ce = {"GROUP_SIZE": cfg.group_size, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n,
+                    ce = {"GROUP_SIZE": cfg.group_size, "BLOCK_M": block_m, "BLOCK_N": cfg.rows(block_m),
                           "NUM_STAGES": cfg.num_stages, "HAS_BIAS": True, "SPLIT": split}
                     specs.append(LaunchSpec(f"w4a16_gemv[{dt}]", _w4a16_gemv_kernel, {**sig, **dict.fromkeys(ce, "constexpr")},
                                             ce, cfg.num_warps, cfg.num_stages))
