@@ -87,14 +87,15 @@ class TiledConfig:
 
 # BLOCK_N x G = 8K weights per program and step whatever G is (64 per thread at 4 warps). Larger tiles
 # need fewer instructions per weight but more registers and fewer programs: bench/kernels.py's
-# gemv_tile_sweep times the choices (not yet run on a GPU for the current kernel). At G=128 and M=1
-# the tile is 128 rows: x is converted once per step and reused by twice the rows (sm_90 loop 5.61 ->
-# 4.61 instructions per weight with Triton 3.6, 4.81 -> 4.26 with 3.9; 71 -> 96 registers), and with
-# the weights pipelined fewer programs still keep ~16 KB each in flight. M=2 stays at 64 rows: at 128
-# it needs 214-248 registers.
+# gemv_tile_sweep times the choices (not yet run on a GPU for the current kernel). At M=1 the tile
+# is twice as tall (16K weights per step): x is converted once per step and reused by twice the rows
+# (sm_90 loop with Triton 3.6, G=128 / 64 / 32: 5.61 / 5.34 / 5.50 -> 4.61 / 4.66 / 4.68 instructions
+# per weight; with 3.9: 4.81 / 5.61 / 5.88 -> 4.26 / 4.83 / 4.73; 96-128 registers, no spills on
+# sm_90 or sm_86), and with the weights pipelined fewer programs still keep ~16 KB each in flight.
+# M=2 keeps the shorter tile: at G=128 the taller one needs 214-248 registers.
 GEMV_CONFIGS: list[GemvConfig] = [
-    GemvConfig(group_size=32, block_n=256, num_warps=4, num_stages=3),
-    GemvConfig(group_size=64, block_n=128, num_warps=4, num_stages=3),
+    GemvConfig(group_size=32, block_n=256, num_warps=4, num_stages=3, block_n_single=512),
+    GemvConfig(group_size=64, block_n=128, num_warps=4, num_stages=3, block_n_single=256),
     GemvConfig(group_size=128, block_n=64, num_warps=4, num_stages=3, block_n_single=128),
 ]
 # Picked by M: the smallest block_m >= M (tl.dot needs tiles >= 16).

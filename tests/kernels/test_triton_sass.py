@@ -39,8 +39,8 @@ def test_gemv_decodes_a_weight_in_few_instructions(rows: list[dict]) -> None:
     # One LOP3 + one FADD + one FFMA per weight and per-group overhead: 4.42 at G=128 when written
     # (the shift + bit-field-extract decode it replaced took 6.44); 4.81 once the weight tile was
     # software-pipelined (its shared-memory reads and the loop's stage bookkeeping), 4.26 with 128
-    # rows per program at M=1 (x converted once for twice the rows).
-    for g, limit in ((128, 4.6), (64, 5.9), (32, 6.1)):
+    # rows per program at M=1 (x converted once for twice the rows; G=64 / 32: 4.83 / 4.73).
+    for g, limit in ((128, 4.6), (64, 5.1), (32, 5.1)):
         r = _gemv(rows, g, 1)
         assert r["loop_instructions"] > 0
         assert r["instructions_per_unit"] <= limit, r
