@@ -27,13 +27,21 @@ SHAPES = ((32, 32, 128), (32, 8, 128), (28, 4, 128), (9, 3, 64))  # (heads, kv h
 
 
 @triton.jit
-def _rope_halves(row, xb_ptr, col, mask, c, s, stride_split, num_splits, SPLITS: tl.constexpr,
-                 SPLIT_BIAS: tl.constexpr, half, dtype: tl.constexpr):
-    """Heads at columns ``col`` (first halves; ``col + half`` the second) of a qkv row, rotated by
-    ``c``/``s`` and rounded to ``dtype``: ``(first, second)`` halves in fp32."""
+def _load_halves(row, xb_ptr, col, mask, stride_split, num_splits, SPLITS: tl.constexpr, SPLIT_BIAS: tl.constexpr,
+                 half, dtype: tl.constexpr):
+    """Heads at columns ``col`` (first halves; ``col + half`` the second) of a qkv row (split-K partials
+    summed and rounded to ``dtype``, as the reduction would): ``(first, second)`` halves in fp32."""
     x1 = _load_input(row, xb_ptr, col, mask, stride_split, num_splits, SPLITS, SPLIT_BIAS, dtype).to(tl.float32)
     x2 = _load_input(row, xb_ptr, col + half, mask, stride_split, num_splits, SPLITS, SPLIT_BIAS,
                      dtype).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _rope_halves(row, xb_ptr, col, mask, c, s, stride_split, num_splits, SPLITS: tl.constexpr,
+                 SPLIT_BIAS: tl.constexpr, half, dtype: tl.constexpr):
+    """:func:`_load_halves`, rotated by ``c``/``s`` and rounded to ``dtype`` (fp32 out)."""
+    x1, x2 = _load_halves(row, xb_ptr, col, mask, stride_split, num_splits, SPLITS, SPLIT_BIAS, half, dtype)
     return (x1 * c - x2 * s).to(dtype).to(tl.float32), (x2 * c + x1 * s).to(dtype).to(tl.float32)
 
 
@@ -94,9 +102,7 @@ def _rope_store_kernel(
         kcol = (num_heads + kv[:, None]) * head_dim + offs_c[None, :]
         k1, k2 = _rope_halves(row, xb_ptr, kcol, mk, c, s, stride_split, num_splits, SPLITS, SPLIT_BIAS, half, dt)
         vcol = kcol + num_kv_heads * head_dim
-        v1 = _load_input(row, xb_ptr, vcol, mk, stride_split, num_splits, SPLITS, SPLIT_BIAS, dt).to(tl.float32)
-        v2 = _load_input(row, xb_ptr, vcol + half, mk, stride_split, num_splits, SPLITS, SPLIT_BIAS,
-                         dt).to(tl.float32)
+        v1, v2 = _load_halves(row, xb_ptr, vcol, mk, stride_split, num_splits, SPLITS, SPLIT_BIAS, half, dt)
         blk = slot // block_size
         off = slot % block_size
         dst = blk * stride_cb + off * stride_co + kv[:, None] * stride_ch + offs_c[None, :]  # K and V share it

@@ -51,7 +51,6 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim_of(c)
         p = f"model.layers.{layer_idx}.self_attn"
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_sizes = [q_out, kv_out, kv_out]  # how a fused qkv_proj output splits
         self.q_proj = make_linear(c.hidden_size, q_out, qkv_bias, dtype, quant_config, f"{p}.q_proj")
         self.k_proj = make_linear(c.hidden_size, kv_out, qkv_bias, dtype, quant_config, f"{p}.k_proj")
         self.v_proj = make_linear(c.hidden_size, kv_out, qkv_bias, dtype, quant_config, f"{p}.v_proj")
@@ -76,14 +75,13 @@ class LlamaAttention(nn.Module):
         if self.qkv_proj is not None and self.q_norm is None:
             # RoPE and the KV-cache write fused with the projection's epilogue (Attention.forward_qkv)
             return self.o_proj(self.attn.forward_qkv(positions, self.qkv_proj(hidden_states), self.rotary_emb))
-        t = hidden_states.shape[0]
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(hidden_states).split(self.qkv_sizes, dim=-1)
+            q, k, v = self.attn.split_qkv(self.qkv_proj(hidden_states))
         else:
-            q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+            t = hidden_states.shape[0]
+            q = self.q_proj(hidden_states).reshape(t, self.num_heads, self.head_dim)
+            k = self.k_proj(hidden_states).reshape(t, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(hidden_states).reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)

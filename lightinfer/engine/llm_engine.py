@@ -18,6 +18,7 @@ from lightinfer.engine.detokenizer import IncrementalDetokenizer, find_stop, sto
 from lightinfer.engine.model_runner import ModelRunner
 from lightinfer.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from lightinfer.engine.sequence import Sequence
+from lightinfer.engine.step_inputs import select_rows
 from lightinfer.layers.sampler import Sampler, SamplingRow, has_penalties
 from lightinfer.loader import Checkpoint
 from lightinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -259,11 +260,7 @@ class LLMEngine:
         self.scheduler.postprocess(out)
         sampled = [s for s in out.scheduled if s.completes_prompt]
         rows, targets = self._sampling_rows(sampled)
-        row_idx = [r for r, _, _ in targets]
-        # One row per sequence, in order (no n > 1 fork this step): the logits as they are, no gather.
-        row_logits = logits if row_idx == list(range(logits.shape[0])) else \
-            logits[torch.tensor(row_idx, dtype=torch.long, device=logits.device)]
-        tokens, logprobs = self.sampler(row_logits, rows)
+        tokens, logprobs = self.sampler(select_rows(logits, [r for r, _, _ in targets]), rows)
         # Fork every new completion before any token is appended: children copy the parent's tokens.
         owners: list[Sequence] = []
         for _, seq, index in targets:

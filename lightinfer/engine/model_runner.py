@@ -20,7 +20,7 @@ from lightinfer.engine.memory import (
     plan_kv_pool,
 )
 from lightinfer.engine.scheduler import SchedulerOutput
-from lightinfer.engine.step_inputs import StepInputs, block_table_tensor, build_step_inputs
+from lightinfer.engine.step_inputs import StepInputs, block_table_tensor, build_step_inputs, select_rows
 from lightinfer.layers.attention import Attention, AttentionMetadata, set_context
 from lightinfer.layers.embed_head import VocabEmbedding
 from lightinfer.layers.linear import W4A16Linear
@@ -330,8 +330,6 @@ class ModelRunner:
                 logits_idx = torch.tensor(step.logits_idx, dtype=torch.long, device=self.device)
                 return torch.cat([self.model.compute_logits(hidden[logits_idx[i: i + rows]]).cpu()
                                   for i in range(0, len(step.logits_idx), rows)])
-            if len(step.logits_idx) == hidden.shape[0] and step.logits_idx == list(range(hidden.shape[0])):
-                return self.model.compute_logits(hidden)  # decode-only: every row is sampled, in order
-            return self.model.compute_logits(hidden[torch.tensor(step.logits_idx, dtype=torch.long, device=self.device)])
+            return self.model.compute_logits(select_rows(hidden, step.logits_idx))
         finally:
             set_context(None)

@@ -102,3 +102,11 @@ def block_table_tensor(tables: list[list[int]], num_rows: int, width: int, fill:
     rows = [t + [fill] * (width - len(t)) for t in tables]
     rows += [[fill] * width] * (num_rows - len(tables))
     return torch.tensor(rows, dtype=torch.int32).reshape(num_rows, width)
+
+
+def select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``x[rows]`` along dim 0; ``x`` itself when ``rows`` is every row in order (a decode-only step
+    samples each sequence once), which skips an index upload and a gather kernel."""
+    if rows == list(range(x.shape[0])):
+        return x
+    return x[torch.tensor(rows, dtype=torch.long, device=x.device)]

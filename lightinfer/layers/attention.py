@@ -128,17 +128,20 @@ class Attention(nn.Module):
         """
         ctx = get_context()
         if ctx.no_cache or self.k_cache.numel() == 0:
-            if isinstance(qkv, SplitKPartials):
-                qkv = qkv.reduced()
-            t, d = qkv.shape[0], self.head_dim
-            q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
-            q, k = rotary_emb(positions, q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d))
-            return self.forward(q, k, v.reshape(t, self.num_kv_heads, d))
+            q, k, v = self.split_qkv(qkv.reduced() if isinstance(qkv, SplitKPartials) else qkv)
+            q, k = rotary_emb(positions, q, k)
+            return self.forward(q, k, v)
         x = qkv.partials if isinstance(qkv, SplitKPartials) else qkv
         q = ops_for(x).rope_store_kvcache(positions, qkv, self.num_heads, self.num_kv_heads, rotary_emb.cos_cache,
                                           rotary_emb.sin_cache, self.k_cache, self.v_cache, ctx.slot_mapping,
                                           *self._scales)
         return self._attend(q, ctx)
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A fused projection's ``[T, (H + 2 Hkv) * D]`` -> views q ``[T, H, D]``, k, v ``[T, Hkv, D]``."""
+        t, d = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        return q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d), v.reshape(t, self.num_kv_heads, d)
 
     @property
     def _scales(self) -> tuple[torch.Tensor | None, ...]:
