@@ -8,6 +8,9 @@
 #                                     # (llama-3-8b or llama-2-7b: 12 engine starts, ~5 min each)
 #   bash bench/gpu_checks.sh kernels  # bench/kernels.py --quick: issue 5 figures + the GEMV tile and
 #                                     # split-K sweeps (time unmeasured; extra arguments go to it, e.g. --skip attn)
+#   bash bench/gpu_checks.sh tune     # bench/tune_w4a16.py: the W4A16 launch per shape and M on this GPU, written
+#                                     # to kernels/configs/w4a16_<device>.json (and $OUT); ~7 min, stops at
+#                                     # --budget-s (extra arguments go to it; --skip-done resumes). Commit the file.
 #   bash bench/gpu_checks.sh smollm2  # SmolLM2 AWQ + INT8 KV, GPU vs CPU: the second of two calls that
 #                                     # bring the model (see bench/gpu_assets.py), ~1 min
 set -uo pipefail
@@ -30,8 +33,10 @@ case "${1:-tests}" in
       | tee "$OUT/memory_table_${2:-llama-3-8b}.log" | tail -20 ;;
   kernels)
     $PY bench/kernels.py --quick --out "$OUT/kernels.json" "${@:2}" 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
+  tune)
+    $PY bench/tune_w4a16.py --copy-to "$OUT" "${@:2}" 2>&1 | tee "$OUT/tune_w4a16.log" | tail -30 ;;
   smollm2)
     $PY bench/gpu_assets.py join && $PY -m pytest -q -s tests/gpu/test_engine_gpu.py -k smollm2 2>&1 \
       | tee "$OUT/smollm2_gpu_vs_cpu.log" | tail -20 ;;
-  *) echo "unknown stage $1 (tests | kernels | e2e | memory | smollm2)"; exit 2 ;;
+  *) echo "unknown stage $1 (tests | tune | kernels | e2e | memory | smollm2)"; exit 2 ;;
 esac

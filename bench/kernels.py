@@ -19,6 +19,7 @@ Usage: ``python bench/kernels.py [--out PATH] [--quick] [--oracle-dir .oracle]``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -119,13 +120,19 @@ def bench_gemm(quick: bool, oracle_dir: Path, m_values: list[int]) -> list[dict[
         for m in m_values:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             io_bytes = 2 * m * k + 2 * m * n
-            row: dict[str, Any] = {"shape": name, "K": k, "N": n, "M": m, "path": wg.pick_path(m),
+            launch = wg.choose_launch(m, n, k, GROUP_SIZE, x.device)
+            builtin = wg.default_launch(m, n, k, GROUP_SIZE, x.device)
+            row: dict[str, Any] = {"shape": name, "K": k, "N": n, "M": m, "path": launch.path,
+                                   "launch": dataclasses.asdict(launch), "tuned": launch != builtin,
                                    "bytes_w4": w_bytes + io_bytes, "bytes_fp16": 2 * n * k + io_bytes,
                                    "weight_copies": [nw4, nfp]}
             want = torch.nn.functional.linear(x, w_dense)
             row["rel_err"] = float((wg.w4a16_gemm(x, qweight, scales, zeros).float() - want.float()).norm()
                                    / want.float().norm())
             row["ours_us"] = bench_us(lambda x=x, ws=w4_sets: [wg.w4a16_gemm(x, *w) for w in ws], quick, nw4)
+            if row["tuned"]:  # the built-in launch, for the gain of tuning (kernels/configs/w4a16_<device>.json)
+                row["builtin_us"] = bench_us(lambda x=x, ws=w4_sets, la=builtin: [wg.w4a16_gemm_path(x, *w, launch=la)
+                                                                                for w in ws], quick, nw4)
             for path in ("gemv", "tiled", "dequant"):
                 if path == "gemv" and m > 16:
                     continue
@@ -332,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
 
     result["triton"] = triton.__version__
     result["crossovers"] = {"GEMV_MAX_M": wg.GEMV_MAX_M, "TILED_MAX_M": wg.TILED_MAX_M}
+    from lightinfer.kernels import w4a16_tuning as wt
+
+    tuned = wt.device_file(result["gpu"])
+    result["tuned_configs"] = str(tuned) if tuned.exists() else None  # rows say "tuned" where used
     result["timing"] = "CUDA-graph replay (triton do_bench_cudagraph), median, data rotated past the L2"
     result["copy"] = copy_bandwidth(args.quick)
     print(f"copy bandwidth: {result['copy']['GBps']:.0f} GB/s (read + write)", flush=True)

@@ -6,7 +6,10 @@ Weights are in the run-time layout of :mod:`lightinfer.kernels.reference`::
     scales  [K // G, N], zeros [K // G, N] (integer zero point as a float)
     w[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]
 
-Three paths, picked by M (see ``GEMV_MAX_M`` / ``TILED_MAX_M``):
+Three paths. On a GPU model with a tuned file (``kernels/configs/w4a16_<device>.json``, written by
+``bench/tune_w4a16.py``, read by :mod:`.w4a16_tuning`) the path, tile, pipeline depth and split-K of each
+weight shape and M are the ones measured fastest there; otherwise they are the built-in choices below,
+picked by M (``GEMV_MAX_M`` / ``TILED_MAX_M``):
 
 * ``gemv``   (decode, M tiny): memory-bound. Each program owns ``BLOCK_N`` output rows and a
   slice of the K groups (split-K). It works on the packed words one nibble position at a time:
@@ -26,6 +29,7 @@ is the rule, four times per decoder layer.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -43,9 +47,10 @@ from ._common import (
     upcast_dot,
 )
 from .w4_decode import NIBBLE_MASK, nibble_minus_zero, split_columns_mod4, unpack_minus_zero
+from .w4a16_tuning import W4Launch, check_launch, tuned_launch
 
 # ----------------------------------------------------------------------------- crossovers
-# PROVISIONAL: read off one H200 run of bench/kernels.py (bench/results/kernels.json: gemv_us /
+# The built-in choices: what runs where no tuned file (w4a16_tuning) covers the GPU and shape. PROVISIONAL: read off one H200 run of bench/kernels.py (bench/results/kernels.json: gemv_us /
 # tiled_us / dequant_us per shape and M, CUDA-graph timed). GEMV beat tiled at M <= 2 on all 8 Llama
 # shapes; tiled beat dequant+cuBLAS at M=64 on 6 of 8 and at M=128 on 2 of 8. Re-measure on a
 # consumer card (sm_86/89) and whenever a kernel changes.
@@ -381,13 +386,11 @@ def _split_k(num_programs_mn: int, num_k_steps: int, device: torch.device, waves
 
 
 def pick_split_k(m: int, n: int, k: int, group_size: int, path: str, device: torch.device) -> int:
-    """The split-K factor the launcher uses for this problem on ``path`` ("gemv" or "tiled")."""
-    if path == "gemv":
-        block_n, block_k, grid_m = gemv_config(group_size).rows(next_pow2(m)), group_size, 1
-    else:
-        cfg = tiled_config(m, device)
-        block_n, block_k, grid_m = cfg.block_n, min(cfg.block_k, group_size), triton.cdiv(m, cfg.block_m)
-    return _split_k(grid_m * triton.cdiv(n, block_n), k // block_k, device, GEMV_WAVES if path == "gemv" else 2)
+    """The split-K factor the built-in launch uses for this problem on ``path`` ("gemv" or "tiled")."""
+    launch = default_launch(m, n, k, group_size, device, path)
+    grid_m = 1 if path == "gemv" else triton.cdiv(m, launch.block_m)
+    return _split_k(grid_m * triton.cdiv(n, launch.block_n), k // launch.block_k, device,
+                    GEMV_WAVES if path == "gemv" else 2)
 
 
 def dequantize_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -432,6 +435,29 @@ def _dequant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     return y
 
 
+def default_launch(m: int, n: int, k: int, group_size: int, device: torch.device, path: str | None = None) -> W4Launch:
+    """The built-in launch for ``m`` rows (``path`` forced or by :func:`pick_path`), split-K left to the heuristic."""
+    path = path or pick_path(m)
+    if path == "dequant":
+        return W4Launch("dequant")
+    if path == "gemv":
+        cfg = gemv_config(group_size)
+        block_m = next_pow2(m)
+        return W4Launch("gemv", block_m, cfg.rows(block_m), group_size, cfg.num_warps, cfg.num_stages)
+    if path == "tiled":
+        t = tiled_config(m, device)
+        return W4Launch("tiled", t.block_m, t.block_n, min(t.block_k, group_size), t.num_warps, t.num_stages)
+    raise ValueError(f"w4a16_gemm: unknown path {path!r}")
+
+
+def choose_launch(m: int, n: int, k: int, group_size: int, device: torch.device) -> W4Launch:
+    """The launch :func:`w4a16_gemm` uses: the device's tuned entry (:mod:`.w4a16_tuning`), else the built-in one."""
+    launch = tuned_launch(device, m, n, k, group_size)
+    if launch is None or (launch.path == "gemv" and m > GEMV_FORCED_MAX_M):
+        return default_launch(m, n, k, group_size, device)
+    return launch
+
+
 def w4a16_gemm_path(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -441,32 +467,38 @@ def w4a16_gemm_path(
     *,
     path: str | None = None,
     split_k: int | None = None,
+    launch: W4Launch | None = None,
     defer_reduce: bool = False,
 ) -> torch.Tensor | SplitKPartials:
-    """:func:`w4a16_gemm` with the path (``"gemv"|"tiled"|"dequant"``) and split-K forced (tests, bench)."""
+    """:func:`w4a16_gemm` with the path (``"gemv"|"tiled"|"dequant"``), split-K or the whole launch forced
+    (tests, bench, the tuner). Without any, the launch is :func:`choose_launch`'s.
+
+    Raises:
+        ValueError: bad inputs (see :func:`w4a16_gemm`) or a launch the kernels cannot run.
+    """
     m, n, k, g = _validate(x, qweight, scales, zeros, bias)
-    path = path or pick_path(m)
     if m == 0:
         return torch.empty((0, n), dtype=x.dtype, device=x.device)
-    if path == "dequant":
+    if launch is None:
+        launch = choose_launch(m, n, k, g, x.device) if path is None else default_launch(m, n, k, g, x.device, path)
+    else:
+        check_launch(launch, g)
+    if split_k is not None:
+        launch = dataclasses.replace(launch, split_k=split_k)
+    if launch.path == "dequant":
         return _dequant_matmul(x, qweight, scales, zeros, bias)
-    if path == "gemv":
+    if launch.path == "gemv":
         if m > GEMV_FORCED_MAX_M:
             raise ValueError(f"w4a16_gemm: gemv path handles at most {GEMV_FORCED_MAX_M} rows, got M={m}")
-        cfg = gemv_config(g)
-        block_m, block_k = next_pow2(m), g
-        block_n = cfg.rows(block_m)
-        num_warps, num_stages = cfg.num_warps, cfg.num_stages
-        grid_mn = (1, triton.cdiv(n, block_n))
-    elif path == "tiled":
-        tcfg = tiled_config(m, x.device)
-        block_m, block_n, block_k = tcfg.block_m, tcfg.block_n, min(tcfg.block_k, g)
-        num_warps, num_stages = tcfg.num_warps, tcfg.num_stages
-        grid_mn = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        block_m = next_pow2(m)  # the GEMV unrolls over exactly the rows it has
+        grid_mn = (1, triton.cdiv(n, launch.block_n))
     else:
-        raise ValueError(f"w4a16_gemm: unknown path {path!r}")
+        block_m = launch.block_m
+        grid_mn = (triton.cdiv(m, block_m), triton.cdiv(n, launch.block_n))
+    block_n, block_k = launch.block_n, launch.block_k
     num_k_steps = k // block_k
-    split = split_k or _split_k(grid_mn[0] * grid_mn[1], num_k_steps, x.device, GEMV_WAVES if path == "gemv" else 2)
+    split = launch.split_k or _split_k(grid_mn[0] * grid_mn[1], num_k_steps, x.device,
+                                       GEMV_WAVES if launch.path == "gemv" else 2)
     split = min(split, num_k_steps)
     steps_per_split = triton.cdiv(num_k_steps, split)
     split = triton.cdiv(num_k_steps, steps_per_split)
@@ -475,12 +507,13 @@ def w4a16_gemm_path(
     out = torch.empty((split, m, n) if split > 1 else (m, n), dtype=torch.float32 if split > 1 else x.dtype,
                       device=x.device)
     bias_arg = bias if bias is not None else x  # unused pointer of the dtype a bias would have
-    common = {"HAS_BIAS": bias is not None, "SPLIT": split > 1, "num_warps": num_warps, "num_stages": num_stages}
-    if path == "gemv":
+    common = {"HAS_BIAS": bias is not None, "SPLIT": split > 1, "num_warps": launch.num_warps,
+              "num_stages": launch.num_stages}
+    if launch.path == "gemv":
         _w4a16_gemv_kernel[(grid_mn[1], split)](
             x, qweight, scales, zeros, bias_arg, out, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
             n, m * n, num_k_steps, steps_per_split, NIBBLE_MASK, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n,
-            NUM_STAGES=num_stages, **common)
+            NUM_STAGES=launch.num_stages, **common)
     else:
         _w4a16_tiled_kernel[(grid_mn[0], grid_mn[1], split)](
             x, qweight, scales, zeros, bias_arg, out, m, n, x.stride(0), qweight.stride(0), scales.stride(0),

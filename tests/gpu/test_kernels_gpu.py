@@ -67,8 +67,9 @@ def test_w4a16_all_paths_real_shapes(k: int, n: int, m: int) -> None:
     assert _rel_err(wg.w4a16_gemm(x, qweight, scales, zeros, bias), want) < 3e-3
 
 
-def test_deferred_split_k_into_norm_and_silu_real_shapes() -> None:
+def test_deferred_split_k_into_norm_and_silu_real_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     """o/down GEMM partials into the fused add + norm, gate_up partials into SiLU: identical to reducing first."""
+    monkeypatch.setenv("LIGHTINFER_W4A16_CONFIGS", "none")  # the built-in launch splits K at M=1; a tuned one may not
     for k, n in ((4096, 4096), (4096, 28672)):
         qweight, scales, zeros = _weights(n, k, 128)
         x = torch.randn(1, k, device=DEV, dtype=torch.float16)
@@ -82,6 +83,25 @@ def test_deferred_split_k_into_norm_and_silu_real_shapes() -> None:
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         else:
             assert torch.equal(nr.silu_and_mul(parts), nr.silu_and_mul(y))
+
+
+def test_tuned_launches_of_this_gpu_are_correct() -> None:
+    """Every launch in this GPU's kernels/configs/w4a16_<device>.json (bench/tune_w4a16.py) against the
+    reference, at its own shape and M, with a bias (the tuner timed without one)."""
+    from lightinfer.kernels import w4a16_tuning as wt
+
+    path = wt.device_file(torch.cuda.get_device_name())
+    if not path.exists():
+        pytest.skip(f"no tuned file for this GPU ({path.name})")
+    for key, rows in wt.parse_file(path).items():
+        n, k, g = (int(v.split("=")[1]) for v in key.split(","))
+        qweight, scales, zeros = _weights(n, k, g)
+        bias = torch.randn(n, device=DEV, dtype=torch.float16)
+        for m, launch in rows:
+            x = torch.randn(m, k, device=DEV, dtype=torch.float16)
+            assert wg.choose_launch(m, n, k, g, x.device) == launch
+            got = wg.w4a16_gemm(x, qweight, scales, zeros, bias)
+            assert _rel_err(got, ref.w4a16_gemm(x, qweight, scales, zeros, bias)) < 3e-3, (key, m, launch)
 
 
 def test_w4a16_pre_hopper_tiles_on_this_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
