@@ -19,7 +19,7 @@ from lightinfer.engine.model_runner import ModelRunner
 from lightinfer.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from lightinfer.engine.sequence import Sequence
 from lightinfer.engine.step_inputs import select_rows
-from lightinfer.layers.sampler import Sampler, SamplingRow, has_penalties
+from lightinfer.layers.sampler import INVALID_TOKEN, Sampler, SamplingRow, has_penalties
 from lightinfer.loader import Checkpoint
 from lightinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from lightinfer.sampling_params import SamplingParams
@@ -272,7 +272,10 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         for seq, token, lp in zip(owners, tokens, logprobs):
             req = self.requests[seq.request_id]
-            self._append_token(req, seq, token, lp)
+            if token == INVALID_TOKEN:
+                self._fail_sequence(req, seq)
+            else:
+                self._append_token(req, seq, token, lp)
             touched[req.request_id] = req
         for s in out.scheduled:
             req = self.requests.get(s.seq.request_id)
@@ -344,6 +347,19 @@ class LLMEngine:
             visible = len(detok.text) - stop_holdback(detok.text, stops)
             out.text = detok.text[: max(visible, len(out.text))]
         out.token_ids.append(token)  # incremental: re-slicing the sequence would be O(length) per token
+
+    def _fail_sequence(self, req: Request, seq: Sequence) -> None:
+        """End ``seq`` with reason "abort" when its logits were not finite: the text so far is kept,
+        its KV blocks are freed, and the rest of the batch goes on."""
+        logger.error("request %s: the model's logits for output token %d are NaN or infinite (an overflow in "
+                     "the forward; with dtype float16, try bfloat16); this completion stops with reason 'abort'",
+                     req.request_id, seq.num_output_tokens)
+        self.scheduler.finish(seq, "abort")
+        detok, out = req.detoks[seq.index], req.outputs[seq.index]
+        detok.flush()
+        out.text = detok.text
+        out.finish_reason = "abort"
+        req.metrics.finished_time = time.monotonic()
 
     def _make_output(self, req: Request) -> RequestOutput:
         outputs = [CompletionOutput(o.index, o.text, list(o.token_ids), o.finish_reason,

@@ -8,6 +8,8 @@ import torch
 
 from lightinfer.sampling_params import SamplingParams
 
+INVALID_TOKEN = -1  # the sampler's answer for a row of logits with no finite maximum (see Sampler.__call__)
+
 
 @dataclass
 class SamplingRow:
@@ -161,6 +163,8 @@ class Sampler:
             ``(token_ids, logprobs)``: a token per row, and per row either None or
             ``{token_id: logprob}`` for the top ``params.logprobs`` tokens plus the sampled one
             (log-probabilities of the model's raw distribution, before penalties and filters).
+            A row whose logits have no finite maximum (NaN, +inf, or all -inf: the forward overflowed
+            or broke) gets :data:`INVALID_TOKEN` and no logprobs: any id drawn from it would be noise.
         """
         raw = logits.to(torch.float32)
         x = raw
@@ -172,14 +176,18 @@ class Sampler:
                 if rows[i].suppress_token_ids:
                     x[i, list(rows[i].suppress_token_ids)] = float("-inf")
         own = {i: row.generator for i, row in enumerate(rows) if row.generator is not None}
-        tokens = sample_batch(x, [row.params for row in rows], self.generator_for(raw.device), own).tolist()
+        sampled = sample_batch(x, [row.params for row in rows], self.generator_for(raw.device), own)
+        # amax is NaN if any logit is, +inf if one is, -inf if all are: one reduction finds every broken row,
+        # and the verdict comes back in the same copy as the tokens.
+        broken = ~torch.isfinite(raw.amax(dim=-1))
+        tokens = torch.where(broken, INVALID_TOKEN, sampled).tolist()
         return tokens, self._logprobs(raw, rows, tokens)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) -> list[dict[int, float] | None]:
         """Per row None, or the raw log-probabilities of its top ``params.logprobs`` tokens and of its token
         (computed together on the logits' device, copied back once)."""
-        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None and tokens[i] != INVALID_TOKEN]
         out: list[dict[int, float] | None] = [None] * len(rows)
         if not wanted:
             return out

@@ -159,3 +159,33 @@ def test_sliding_window_caps_the_context(tmp_path) -> None:
     assert LLM(str(path), num_kv_blocks=16).llm_engine.config.max_model_len == 64
     with pytest.raises(ValueError, match="sliding window"):
         LLM(str(path), max_model_len=128, num_kv_blocks=16)
+
+
+def test_broken_logits_end_that_request_only(tiny, caplog) -> None:
+    """A forward that yields NaN logits for one sequence (an fp16 overflow) ends that request with reason
+    "abort" and a logged cause; the others finish normally and no KV block leaks."""
+    engine = LLM(str(tiny), num_kv_blocks=64).llm_engine
+    for rid in ("a", "b", "c"):
+        engine.add_request(rid, f"hello {rid}", SamplingParams(temperature=0.7, max_tokens=6, ignore_eos=True))
+    run = engine.model_runner.run
+    steps = [0]
+
+    def poisoned(out, *args, **kwargs):
+        logits = run(out, *args, **kwargs)
+        steps[0] += 1
+        if steps[0] == 3:  # a decode step: the row of request "b"
+            row = next(i for i, s in enumerate(out.scheduled) if s.seq.request_id == "b")
+            logits = logits.clone()  # an inference-mode tensor
+            logits[row, 5] = float("nan")
+        return logits
+
+    engine.model_runner.run = poisoned
+    finished = {}
+    with caplog.at_level("ERROR", logger="lightinfer"):
+        while engine.has_unfinished_requests():
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["b"].outputs[0].finish_reason == "abort" and len(finished["b"].outputs[0].token_ids) == 2
+    assert [finished[r].outputs[0].finish_reason for r in "ac"] == ["length", "length"]
+    assert all(len(finished[r].outputs[0].token_ids) == 6 for r in "ac")
+    assert "request b" in caplog.text and "NaN or infinite" in caplog.text
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

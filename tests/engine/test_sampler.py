@@ -120,3 +120,18 @@ def test_sampler_mixes_plain_penalised_banned_and_seeded_rows() -> None:
     # the seeded row drew from its own generator only: alone, with a fresh one, it draws the same
     alone, _ = Sampler(99)(LOGITS, [row(seeded, gen=torch.Generator().manual_seed(5))])
     assert toks[2] == alone[0]
+
+
+def test_rows_without_a_finite_maximum_are_flagged_not_sampled() -> None:
+    """NaN, +inf or all -inf logits give INVALID_TOKEN (and no logprobs) for that row only."""
+    from lightinfer.layers.sampler import INVALID_TOKEN
+
+    good = LOGITS[0]
+    logits = torch.stack([good, good.clone().index_fill_(0, torch.tensor([2]), float("nan")),
+                          good.clone().index_fill_(0, torch.tensor([0]), float("inf")),
+                          torch.full_like(good, float("-inf")), good.clone().index_fill_(0, torch.tensor([1]), float("-inf"))])
+    for params in (SamplingParams(temperature=0, logprobs=1), SamplingParams(temperature=0.8, top_p=0.9, logprobs=1)):
+        toks, lps = Sampler(0)(logits, [row(params) for _ in range(5)])
+        assert toks[1:4] == [INVALID_TOKEN] * 3 and lps[1:4] == [None] * 3
+        assert 0 <= toks[0] < 6 and 0 <= toks[4] < 6 and toks[4] != 1  # one -inf logit is a banned token, not broken
+        assert lps[0] is not None and toks[0] in lps[0]
