@@ -9,8 +9,11 @@
 #   bash bench/gpu_checks.sh kernels  # bench/kernels.py --quick: issue 5 figures + the GEMV tile and
 #                                     # split-K sweeps (time unmeasured; extra arguments go to it, e.g. --skip attn)
 #   bash bench/gpu_checks.sh tune     # bench/tune_w4a16.py: the W4A16 launch per shape and M on this GPU, written
-#                                     # to kernels/configs/w4a16_<device>.json (and $OUT); ~7 min, stops at
-#                                     # --budget-s (extra arguments go to it; --skip-done resumes). Commit the file.
+#                                     # to kernels/configs/w4a16_<device>.json and $OUT after every pair; starts
+#                                     # no new pair after --budget-s (default 420 s; a full run is ~10 min:
+#                                     # copy the returned file into kernels/configs/ and call again with
+#                                     # --skip-done). Extra arguments go to it, e.g. --budget-s 240 --m 1 2 4 8 16.
+#                                     # Commit the file.
 #   bash bench/gpu_checks.sh smollm2  # SmolLM2 AWQ + INT8 KV, GPU vs CPU: the second of two calls that
 #                                     # bring the model (see bench/gpu_assets.py), ~1 min
 set -uo pipefail

@@ -4,7 +4,8 @@ Measures, in one run (so every baseline shares the GPU's state):
 
 * copy bandwidth: a 1 GiB device-to-device copy, counted as bytes read + written;
 * W4A16 GEMM on the Llama-2-7B and Llama-3-8B linear shapes (qkv, o, gate_up, down) for every M
-  in ``M_VALUES``: our launcher (auto path) and each forced path, torch fp16 matmul (cuBLAS)
+  in ``M_VALUES``: our launcher (auto path, tuned where ``kernels/configs`` has this GPU) and each forced
+  path (``swap_ab`` at its built-in tile), torch fp16 matmul (cuBLAS)
   on the dense weight, and AutoAWQ's Triton GEMM when ``.oracle/`` holds autoawq 0.2.9
   (``pip download --no-deps autoawq==0.2.9 -d .oracle`` and unpack; never committed);
 * paged-attention decode, batch x context in ``ATTN_BATCHES`` x ``ATTN_CONTEXTS``, fp16 and INT8
@@ -133,8 +134,8 @@ def bench_gemm(quick: bool, oracle_dir: Path, m_values: list[int]) -> list[dict[
             if row["tuned"]:  # the built-in launch, for the gain of tuning (kernels/configs/w4a16_<device>.json)
                 row["builtin_us"] = bench_us(lambda x=x, ws=w4_sets, la=builtin: [wg.w4a16_gemm_path(x, *w, launch=la)
                                                                                 for w in ws], quick, nw4)
-            for path in ("gemv", "tiled", "dequant"):
-                if path == "gemv" and m > 16:
+            for path in ("gemv", "tiled", "swap_ab", "dequant"):
+                if (path == "gemv" and m > 16) or (path == "swap_ab" and m > 256):
                     continue
                 row[f"{path}_us"] = bench_us(lambda x=x, p=path, ws=w4_sets: [wg.w4a16_gemm_path(x, *w, path=p) for w in ws],
                                             quick, nw4)

@@ -131,7 +131,7 @@ def loop_stats(spec: Any, arch: int, per_thread: float, unit: str, one: tuple[st
 
 
 def collect(arch: int = 90) -> list[dict[str, Any]]:
-    """Hot-loop statistics of the W4A16 GEMV (M=1, 2) and tiled kernels and of paged-attention decode."""
+    """Hot-loop statistics of the W4A16 GEMV (M=1, 2), tiled and swap-AB kernels and of paged-attention decode."""
     from . import paged_attention, w4a16_gemm
 
     rows = []
@@ -141,7 +141,7 @@ def collect(arch: int = 90) -> list[dict[str, Any]]:
         if spec.name.startswith("w4a16_gemv") and ce["SPLIT"]:
             one = ("M",) if ce["BLOCK_M"] == 1 else ()
             rows.append(loop_stats(spec, arch, ce["BLOCK_N"] * ce["GROUP_SIZE"] / threads, "weight", one))
-        elif spec.name.startswith("w4a16_tiled") and ce["GROUP_SIZE"] == 128 and not ce["SPLIT"]:
+        elif spec.name.startswith(("w4a16_tiled", "w4a16_swap_ab")) and ce["GROUP_SIZE"] == 128 and not ce["SPLIT"]:
             rows.append(loop_stats(spec, arch, ce["BLOCK_N"] * ce["BLOCK_K"] / threads, "weight"))
     for spec in paged_attention.launch_specs():
         ce = spec.constexprs

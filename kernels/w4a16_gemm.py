@@ -47,6 +47,7 @@ from ._common import (
     upcast_dot,
 )
 from .w4_decode import NIBBLE_MASK, nibble_minus_zero, split_columns_mod4, unpack_minus_zero
+from .w4a16_swap_ab import w4a16_swap_ab_kernel
 from .w4a16_tuning import W4Launch, check_launch, tuned_launch
 
 # ----------------------------------------------------------------------------- crossovers
@@ -447,6 +448,10 @@ def default_launch(m: int, n: int, k: int, group_size: int, device: torch.device
     if path == "tiled":
         t = tiled_config(m, device)
         return W4Launch("tiled", t.block_m, t.block_n, min(t.block_k, group_size), t.num_warps, t.num_stages)
+    if path == "swap_ab":  # only by request (tests, bench) or from a tuned file: not timed on a GPU yet
+        block_m = min(max(16, next_pow2(m)), 64)
+        return W4Launch("swap_ab", block_m, 64 if block_m <= 32 else 128, min(128 if block_m <= 32 else 64, group_size),
+                        4, 3)
     raise ValueError(f"w4a16_gemm: unknown path {path!r}")
 
 
@@ -470,7 +475,7 @@ def w4a16_gemm_path(
     launch: W4Launch | None = None,
     defer_reduce: bool = False,
 ) -> torch.Tensor | SplitKPartials:
-    """:func:`w4a16_gemm` with the path (``"gemv"|"tiled"|"dequant"``), split-K or the whole launch forced
+    """:func:`w4a16_gemm` with the path (``"gemv"|"tiled"|"swap_ab"|"dequant"``), split-K or the whole launch forced
     (tests, bench, the tuner). Without any, the launch is :func:`choose_launch`'s.
 
     Raises:
@@ -492,7 +497,7 @@ def w4a16_gemm_path(
             raise ValueError(f"w4a16_gemm: gemv path handles at most {GEMV_FORCED_MAX_M} rows, got M={m}")
         block_m = next_pow2(m)  # the GEMV unrolls over exactly the rows it has
         grid_mn = (1, triton.cdiv(n, launch.block_n))
-    else:
+    else:  # tiled / swap_ab
         block_m = launch.block_m
         grid_mn = (triton.cdiv(m, block_m), triton.cdiv(n, launch.block_n))
     block_n, block_k = launch.block_n, launch.block_k
@@ -514,6 +519,11 @@ def w4a16_gemm_path(
             x, qweight, scales, zeros, bias_arg, out, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
             n, m * n, num_k_steps, steps_per_split, NIBBLE_MASK, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n,
             NUM_STAGES=launch.num_stages, **common)
+    elif launch.path == "swap_ab":
+        w4a16_swap_ab_kernel[(grid_mn[1], grid_mn[0], split)](
+            x, qweight, scales, zeros, bias_arg, out, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
+            n, m * n, num_k_steps, steps_per_split, NIBBLE_MASK, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, UPCAST_DOT=upcast_dot(x.dtype), **common)
     else:
         _w4a16_tiled_kernel[(grid_mn[0], grid_mn[1], split)](
             x, qweight, scales, zeros, bias_arg, out, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
@@ -586,6 +596,16 @@ def launch_specs(dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> list[Lau
                     specs.append(LaunchSpec(f"w4a16_tiled[{dt}]", _w4a16_tiled_kernel,
                                             {**sig, **dict.fromkeys(ce, "constexpr")}, ce, tcfg.num_warps,
                                             tcfg.num_stages))
+        for block_m in (16, 32, 64):  # the swap_ab path's forced defaults (tuned files bring their own, measured)
+            la = default_launch(block_m, 4096, 4096, 128, torch.device("cpu"), "swap_ab")
+            for g in SUPPORTED_GROUP_SIZES:
+                for split in (False, True):
+                    sig = {**base, "y_ptr": "*fp32" if split else f, **{i: "i32" for i in ints},
+                           "num_k_steps": "i32", "steps_per_split": "i32", "nibble_mask": "i32"}
+                    ce = {"GROUP_SIZE": g, "BLOCK_M": la.block_m, "BLOCK_N": la.block_n, "BLOCK_K": min(la.block_k, g),
+                          "HAS_BIAS": True, "SPLIT": split, "UPCAST_DOT": False}
+                    specs.append(LaunchSpec(f"w4a16_swap_ab[{dt}]", w4a16_swap_ab_kernel,
+                                            {**sig, **dict.fromkeys(ce, "constexpr")}, ce, la.num_warps, la.num_stages))
         for g in SUPPORTED_GROUP_SIZES:
             ce = {"GROUP_SIZE": g, "BLOCK_N": DEQUANT_BLOCK_N}
             sig = {"qw_ptr": "*i32", "s_ptr": f, "z_ptr": f, "w_ptr": f, "N": "i32", "K": "i32", "stride_qn": "i32",

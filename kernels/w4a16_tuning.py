@@ -15,7 +15,7 @@ File format (JSON)::
                                                 "split_k": 6, "us": 12.1, "default_us": 20.3}, ...}}}
 
 An entry keyed ``"M"`` serves every M above the next smaller key, up to M; above the largest key the
-largest serves. ``us`` / ``default_us`` (the built-in choice in the same run) are informational.
+built-in choice serves. ``us`` / ``default_us`` (the built-in choice in the same run) are informational.
 
 ``LIGHTINFER_W4A16_CONFIGS`` overrides the lookup: a path to one such file (used whatever the device,
 the CPU interpreter included: tests), or ``none`` to use the built-in choices everywhere (benchmarks
@@ -36,7 +36,7 @@ import torch
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 ENV_VAR = "LIGHTINFER_W4A16_CONFIGS"
-PATHS = ("gemv", "tiled", "dequant")
+PATHS = ("gemv", "tiled", "swap_ab", "dequant")
 _LAUNCH_FIELDS = ("path", "block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k")
 
 
@@ -45,8 +45,9 @@ class W4Launch:
     """How one W4A16 GEMM is launched.
 
     Attributes:
-        path: ``"gemv"`` (FFMA, split-K), ``"tiled"`` (tensor cores) or ``"dequant"`` (dequantize + cuBLAS;
-            the other fields are unused).
+        path: ``"gemv"`` (FFMA, split-K), ``"tiled"`` (tensor cores), ``"swap_ab"`` (tensor cores, weights
+            as the A operand: :mod:`.w4a16_swap_ab`) or ``"dequant"`` (dequantize + cuBLAS; the other
+            fields are unused).
         block_m: rows of x per program (gemv: the launcher uses ``next_pow2(M)`` whatever is stored).
         block_n: output columns (weight rows) per program.
         block_k: K per loop step (gemv: the group size; tiled: a divisor of it, >= 16).
@@ -95,9 +96,10 @@ def check_launch(launch: W4Launch, group_size: int) -> None:
         raise ValueError(f"split_k={launch.split_k!r} must be an integer >= 0 (0: the launcher's heuristic)")
     if launch.path == "gemv" and launch.block_k != group_size:
         raise ValueError(f"the gemv path steps one group at a time: block_k must be {group_size}, got {launch.block_k}")
-    if launch.path == "tiled" and (group_size % launch.block_k or min(launch.block_m, launch.block_n, launch.block_k) < 16):
-        raise ValueError(f"the tiled path needs block_m, block_n, block_k >= 16 (tl.dot) and block_k dividing "
-                         f"the group size {group_size}; got {launch.block_m}/{launch.block_n}/{launch.block_k}")
+    if launch.path in ("tiled", "swap_ab") and (group_size % launch.block_k
+                                                or min(launch.block_m, launch.block_n, launch.block_k) < 16):
+        raise ValueError(f"the {launch.path} path needs block_m, block_n, block_k >= 16 (tl.dot) and block_k "
+                         f"dividing the group size {group_size}; got {launch.block_m}/{launch.block_n}/{launch.block_k}")
 
 
 def parse_file(path: Path) -> dict[str, list[tuple[int, W4Launch]]]:
@@ -169,9 +171,9 @@ def tuned_launch(device: torch.device, m: int, n: int, k: int, group_size: int) 
         rows = _table_for(device, override).get(shape_key(n, k, group_size), [])
         found = _LOOKUP[memo] = ([r[0] for r in rows], [r[1] for r in rows])
     ms, launches = found
-    if not ms:
-        return None
-    return launches[min(bisect.bisect_left(ms, m), len(ms) - 1)]
+    i = bisect.bisect_left(ms, m)
+    # Above the largest tuned M: untuned (a tuning run cut short must not hand a decode-sized tile to a prefill).
+    return launches[i] if i < len(ms) else None
 
 
 def clear_cache() -> None:

@@ -60,7 +60,7 @@ def test_w4a16_all_paths_real_shapes(k: int, n: int, m: int) -> None:
     x = torch.randn(m, k, device=DEV, dtype=torch.float16)
     bias = torch.randn(n, device=DEV, dtype=torch.float16)
     want = ref.w4a16_gemm(x, qweight, scales, zeros, bias)
-    paths = ["tiled", "dequant"] + (["gemv"] if m <= 16 else [])
+    paths = ["tiled", "swap_ab", "dequant"] + (["gemv"] if m <= 16 else [])
     for path in paths:
         got = wg.w4a16_gemm_path(x, qweight, scales, zeros, bias, path=path)
         assert _rel_err(got, want) < 3e-3, (path, m, k, n)

@@ -32,7 +32,7 @@ SHAPES = [  # (M, N, K, G): N = 8 * odd, M = 1 / not a multiple of any block / >
 ]
 
 
-@pytest.mark.parametrize("path", ["gemv", "tiled", "dequant"])
+@pytest.mark.parametrize("path", ["gemv", "tiled", "swap_ab", "dequant"])
 @pytest.mark.parametrize("m,n,k,g", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_paths_match_reference(path: str, m: int, n: int, k: int, g: int, dtype: torch.dtype) -> None:
@@ -80,7 +80,7 @@ def test_awq_disk_layout_round_trip() -> None:
         torch.testing.assert_close(wg.w4a16_gemm_path(x, qw, s, z, path=path), x @ w, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("path", ["gemv", "tiled", "dequant"])
+@pytest.mark.parametrize("path", ["gemv", "tiled", "swap_ab", "dequant"])
 @pytest.mark.parametrize("g", [32, 128])
 def test_every_nibble_and_zero_point_decodes_exactly(path: str, g: int) -> None:
     """q - z is exact for every nibble position, code and zero point (the exponent trick of
@@ -103,7 +103,7 @@ def test_every_nibble_and_zero_point_decodes_exactly(path: str, g: int) -> None:
             assert torch.equal(got, exact.expand(m, n)), (path, k0, split_k)
 
 
-@pytest.mark.parametrize("path", ["gemv", "tiled"])
+@pytest.mark.parametrize("path", ["gemv", "tiled", "swap_ab"])
 def test_deferred_reduction_is_the_reduction(path: str) -> None:
     """defer_reduce hands back the split-K partials; summed (in order, + bias) they are exactly y."""
     qweight, scales, zeros = _weights(40, 192, 32, torch.float32)  # 6 groups: 3 splits of 2

@@ -27,11 +27,13 @@ def _weights(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 @pytest.fixture
 def tuned_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A tuned file for (N, K, G): M <= 1 gemv 32 rows, split 4; M 2..16 tiled 16x32x32, split 2; above: dequant."""
+    """A tuned file for (N, K, G): M <= 1 gemv 32 rows, split 4; M 2..16 swap_ab 16 tokens x 64 rows x 32, split 2;
+    M 17..32 tiled 32x32x64; above: dequant."""
     path = tmp_path / "w4a16_test.json"
     entries = {wt.shape_key(N, K, G): {
         "1": wt.launch_record(W4Launch("gemv", 1, 32, G, 4, 2, 4), us=1.0),
-        "16": wt.launch_record(W4Launch("tiled", 16, 32, 32, 4, 2, 2), us=2.0),
+        "16": wt.launch_record(W4Launch("swap_ab", 16, 64, 32, 4, 2, 2), us=2.0),
+        "32": wt.launch_record(W4Launch("tiled", 32, 32, 64, 4, 2, 4), us=2.5),
         "64": wt.launch_record(W4Launch("dequant"), us=3.0),
     }}
     path.write_text(json.dumps({"device": "test", "entries": entries}))
@@ -44,15 +46,17 @@ def tuned_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_buckets_pick_the_smallest_tuned_m_at_or_above(tuned_file: Path) -> None:
     cpu = torch.device("cpu")
     assert wt.tuned_launch(cpu, 1, N, K, G).path == "gemv"
-    assert wt.tuned_launch(cpu, 2, N, K, G) == W4Launch("tiled", 16, 32, 32, 4, 2, 2)
-    assert wt.tuned_launch(cpu, 16, N, K, G).path == "tiled"
-    assert wt.tuned_launch(cpu, 17, N, K, G).path == "dequant"
-    assert wt.tuned_launch(cpu, 5000, N, K, G).path == "dequant"  # above the largest key: the largest
+    assert wt.tuned_launch(cpu, 2, N, K, G) == W4Launch("swap_ab", 16, 64, 32, 4, 2, 2)
+    assert wt.tuned_launch(cpu, 16, N, K, G).path == "swap_ab"
+    assert wt.tuned_launch(cpu, 17, N, K, G).path == "tiled"
+    assert wt.tuned_launch(cpu, 33, N, K, G).path == "dequant"
+    assert wt.tuned_launch(cpu, 64, N, K, G).path == "dequant"
+    assert wt.tuned_launch(cpu, 65, N, K, G) is None  # above the largest key: the built-in choice
     assert wt.tuned_launch(cpu, 1, N, K, 32) is None  # another group size: untuned
     assert wt.tuned_launch(cpu, 1, 80, K, G) is None
 
 
-@pytest.mark.parametrize("m", [1, 3, 16, 40])
+@pytest.mark.parametrize("m", [1, 3, 16, 20, 40])  # each bucket of the file below
 def test_tuned_launches_run_and_match_the_reference(tuned_file: Path, m: int) -> None:
     qweight, scales, zeros = _weights()
     x = torch.randn(m, K)
@@ -76,12 +80,14 @@ def test_none_and_untuned_devices_use_the_built_in_launch(tuned_file: Path, monk
 
 def test_a_tuned_gemv_never_runs_past_its_row_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "gemv_only.json"
-    path.write_text(json.dumps({"entries": {wt.shape_key(N, K, G): {"4": wt.launch_record(W4Launch("gemv", 4, 32, G))}}}))
+    # a (hand-written) gemv entry for M up to 64: the GEMV unrolls over rows and stops at GEMV_FORCED_MAX_M
+    path.write_text(json.dumps({"entries": {wt.shape_key(N, K, G): {"64": wt.launch_record(W4Launch("gemv", 4, 32, G))}}}))
     monkeypatch.setenv(wt.ENV_VAR, str(path))
     wt.clear_cache()
     try:
         assert wg.choose_launch(4, N, K, G, torch.device("cpu")).path == "gemv"
         big = wg.GEMV_FORCED_MAX_M + 1
+        assert wt.tuned_launch(torch.device("cpu"), big, N, K, G).path == "gemv"
         assert wg.choose_launch(big, N, K, G, torch.device("cpu")) == wg.default_launch(big, N, K, G, torch.device("cpu"))
     finally:
         wt.clear_cache()
@@ -183,13 +189,13 @@ def test_search_covers_every_path_at_mid_m() -> None:
 
     def us(la: W4Launch) -> float:
         seen.add(la.path)
-        return {"dequant": 1.0, "tiled": 2.0, "gemv": 3.0}[la.path]
+        return {"dequant": 1.0, "tiled": 2.0, "swap_ab": 2.5, "gemv": 3.0}[la.path]
 
     default = wg.default_launch(8, 4096, 4096, 128, torch.device("cpu"))
-    assert tune.paths_for(8) == ["gemv", "tiled"] and tune.paths_for(64) == ["tiled", "dequant"]
+    assert tune.paths_for(8) == ["gemv", "tiled", "swap_ab"] and tune.paths_for(64) == ["tiled", "swap_ab", "dequant"]
     assert tune.tune_one(8, 4096, 128, default, us, lambda la: None)["best"].path == "tiled"
     assert tune.tune_one(64, 4096, 128, default, us, lambda la: None)["best"] == W4Launch("dequant")
-    assert seen == {"gemv", "tiled", "dequant"}
+    assert seen == {"gemv", "tiled", "swap_ab", "dequant"}
 
 
 def test_merge_keeps_other_entries(tmp_path: Path) -> None:
@@ -245,3 +251,16 @@ def test_tuner_cli_writes_merges_and_resumes(tmp_path: Path, monkeypatch: pytest
     assert tune.main(args + ["--skip-done", "--m", "1", "2"]) == 0
     assert len(pairs) == 12 and {m for _, _, m in pairs[8:]} == {2}  # only the new M
     assert [m for m, _ in wt.parse_file(out)[wt.shape_key(4096, 4096, 128)]] == [1, 2, 64]
+
+
+def test_tuner_starts_afresh_over_an_unreadable_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    tune = _tuner()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(tune, "tune_shape_m", lambda k, n, m, g, quick, log, **kw: {
+        "best": W4Launch("dequant"), "us": 1.0, "default_us": 1.0, "timed": 1, "rejected": {}})
+    out = tmp_path / "w4a16_Fake_GPU.json"
+    out.write_text('{"entries": {"N=4096,K=4096,G=128": {"1": {"path": "gemv"')  # a write cut short
+    assert tune.main(["--models", "llama-2-7b", "--m", "64", "--out", str(out), "--skip-done"]) == 0
+    assert "not a readable tuned file" in capsys.readouterr().err
+    assert len(wt.parse_file(out)) == 4 and not list(tmp_path.glob("*.tmp"))
