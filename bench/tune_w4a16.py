@@ -84,9 +84,10 @@ def candidates(path: str, m: int, group_size: int) -> list[Any]:
         # 4K..32K weights per program and step at M=1, fewer as M grows (the FFMAs' registers grow with M)
         rows = [b for b in (32, 64, 128, 256, 512) if 4096 <= b * g <= 32768 // bm]
         return [W4Launch("gemv", bm, b, g, 4, s) for b in rows for s in (1, 2, 3, 4)]
-    if path == "swap_ab":  # weight rows are the MMA's M (>= 64 per warp group), tokens its N (16..128)
+    if path == "swap_ab":  # weight rows are the MMA's M (>= 64 per warp group), tokens its N (16..256)
         out = []
-        for bm, bn, bk, w in itertools.product([min(128, max(16, next_pow2(m)))], (64, 128, 256), (32, 64, 128), (4, 8)):
+        tokens = [max(16, next_pow2(m))] if m <= 128 else [128, 256]  # a 256-token tile dequantizes W once per 256
+        for bm, bn, bk, w in itertools.product(tokens, (64, 128, 256), (32, 64, 128), (4, 8)):
             if g % bk == 0 and bn >= 16 * w and bm * bn <= 128 * 32 * w and bm * bk + bn * bk <= 128 * 128 * 2:
                 out.append(W4Launch("swap_ab", bm, bn, bk, w, 3))
         return out
@@ -107,7 +108,7 @@ def candidates(path: str, m: int, group_size: int) -> list[Any]:
 
 def paths_for(m: int) -> list[str]:
     """The paths worth timing at ``m`` rows (the GEMV's FFMA work grows with M; dequant only pays at large M)."""
-    return [p for p, ok in (("gemv", m <= 8), ("tiled", m >= 2), ("swap_ab", 2 <= m <= 128), ("dequant", m >= 32)) if ok]
+    return [p for p, ok in (("gemv", m <= 8), ("tiled", m >= 2), ("swap_ab", 2 <= m <= 1024), ("dequant", m >= 32)) if ok]
 
 
 def _variants(best: Any) -> list[Any]:
