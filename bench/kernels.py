@@ -10,6 +10,8 @@ Measures, in one run (so every baseline shares the GPU's state):
   (``pip download --no-deps autoawq==0.2.9 -d .oracle`` and unpack; never committed);
 * paged-attention decode, batch x context in ``ATTN_BATCHES`` x ``ATTN_CONTEXTS``, fp16 and INT8
   caches, against torch SDPA on contiguous fp16 K/V;
+* a batch-1 decode step's GEMMs and norms over 32 Llama-2-7B-shaped layers, one CUDA graph, with
+  programmatic dependent launch off and on;
 
 and writes ``bench/results/kernels.json`` (µs, effective GB/s, ratios, the issue's targets).
 Without CUDA it prints why and exits with status 2.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import sys
 import time
@@ -286,6 +289,54 @@ def bench_attention(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def bench_decode_chain(quick: bool, num_layers: int = 32) -> dict[str, Any]:
+    """A batch-1 decode step of the Llama-2-7B shape without attention (per layer: the qkv GEMM and its split-K reduction, a copy standing in for attention, the o GEMM and
+    fused add + RMSNorm on its partials, gate/up GEMM, SiLU-mul on its partials, the down GEMM and fused add +
+    RMSNorm: 6-7 kernels), replayed as one CUDA graph with programmatic dependent launch off and on
+    (``kernels/pdl.py``). Every layer has its own weights (3.3 GB in all), so nothing is served from the L2."""
+    from lightinfer.kernels import norm_rope as nr
+    from lightinfer.kernels import pdl
+    from lightinfer.kernels import w4a16_gemm as wg
+
+    shapes = {name.split("/")[1]: kn for name, kn in LINEAR_SHAPES.items() if name.startswith("llama2-7b/")}
+    layers = []
+    for _ in range(num_layers):
+        layer = {}
+        for name, (k, n) in shapes.items():
+            qweight = torch.randint(-2**31, 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int32)
+            scales = torch.rand(k // GROUP_SIZE, n, device="cuda").half() * 0.01
+            layer[name] = (qweight, scales, torch.full_like(scales, 8.0))
+        layers.append(layer)
+    hidden = shapes["o"][1]
+    norm_w = torch.ones(hidden, device="cuda", dtype=torch.float16)
+    x0 = torch.randn(1, hidden, device="cuda", dtype=torch.float16)
+
+    def step() -> torch.Tensor:
+        h, res = nr.rms_norm(x0, norm_w, 1e-5), x0
+        for layer in layers:
+            attn_out = wg.w4a16_gemm(h, *layer["qkv"])[:, :hidden].contiguous()  # a stand-in for attention
+            h, res = nr.fused_add_rms_norm(wg.w4a16_gemm(attn_out, *layer["o"], defer_reduce=True), res, norm_w, 1e-5)
+            act = nr.silu_and_mul(wg.w4a16_gemm(h, *layer["gate_up"], defer_reduce=True))
+            h, res = nr.fused_add_rms_norm(wg.w4a16_gemm(act, *layer["down"], defer_reduce=True), res, norm_w, 1e-5)
+        return h
+
+    weight_bytes = sum(t.numel() * t.element_size() for layer in layers for w in layer.values() for t in w)
+    out: dict[str, Any] = {"layers": num_layers, "weight_bytes": weight_bytes}
+    saved = os.environ.get(pdl.ENV_VAR)
+    try:
+        for flag, key in (("0", "plain"), ("1", "pdl")):
+            os.environ[pdl.ENV_VAR] = flag  # read at every launch, so at graph capture too
+            out[f"{key}_us"] = bench_us(step, quick)
+            out[f"{key}_GBps"] = weight_bytes / out[f"{key}_us"] / 1e3
+    finally:
+        os.environ.pop(pdl.ENV_VAR) if saved is None else os.environ.__setitem__(pdl.ENV_VAR, saved)
+    out["pdl_enabled"] = pdl.pdl_enabled(torch.device("cuda"))
+    out["pdl_speedup"] = out["plain_us"] / out["pdl_us"]
+    print(f"decode chain ({num_layers} layers, no attention): plain {out['plain_us']:.0f} us "
+          f"({out['plain_GBps']:.0f} GB/s of weights), PDL {out['pdl_us']:.0f} us: x{out['pdl_speedup']:.3f}", flush=True)
+    return out
+
+
 def targets(copy_gbps: float, gemm: list[dict[str, Any]], attn: list[dict[str, Any]]) -> dict[str, Any]:
     """The issue's targets, each with the measured value and whether it was met."""
     out: dict[str, Any] = {}
@@ -324,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--oracle-dir", type=Path, default=ROOT / ".oracle", help="unpacked autoawq 0.2.9 (optional)")
     p.add_argument("--quick", action="store_true", help="shorter timing loops")
     p.add_argument("--m", type=int, nargs="*", default=M_VALUES, help="GEMM M values")
-    p.add_argument("--skip", nargs="*", default=[], choices=["split_sweep", "gemv_tile_sweep", "gemm", "attn"], help="sections to skip")
+    p.add_argument("--skip", nargs="*", default=[], choices=["split_sweep", "gemv_tile_sweep", "gemm", "attn", "decode_chain"], help="sections to skip")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU: torch.cuda.is_available() is False. Nothing measured.",
@@ -350,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     sections = {"split_sweep": lambda: bench_split_sweep(args.quick),
                 "gemv_tile_sweep": lambda: bench_gemv_tile_sweep(args.quick),
                 "gemm": lambda: bench_gemm(args.quick, args.oracle_dir, args.m),
-                "attn": lambda: bench_attention(args.quick)}
+                "attn": lambda: bench_attention(args.quick),
+                "decode_chain": lambda: bench_decode_chain(args.quick)}
     for name, fn in sections.items():
         if name in args.skip:
             continue

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ._common import FLOAT_DTYPES, TRITON_DTYPE, LaunchSpec, check_cache_dtype, check_device, next_pow2
+from .pdl import pdl_launch, pdl_start
 
 NUM_WARPS = 4
 HEAD_DIMS = (64, 128)  # head sizes the smem check compiles (the launcher takes any)
@@ -54,7 +55,9 @@ def _store_kv_kernel(
     stride_cb, stride_co, stride_ch,
     stride_sb, stride_so, stride_sh,
     QUANT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_start(USE_PDL)  # before any memory access (kernels/pdl.py)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -148,6 +151,7 @@ def store_kvcache(
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sb, so, sh,
         QUANT=quant, BLOCK_H=next_pow2(num_kv_heads), BLOCK_D=next_pow2(head_dim), num_warps=NUM_WARPS,
+        **pdl_launch(key.device),
     )
 
 

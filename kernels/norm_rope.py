@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ._common import FLOAT_DTYPES, LaunchSpec, SplitKPartials, check_device, next_pow2
+from .pdl import pdl_launch, pdl_start
 from .w4a16_gemm import sum_split_k
 
 MAX_HIDDEN = 16384
@@ -39,7 +40,8 @@ def _load_input(x_ptr, xb_ptr, offs, mask, stride_split, num_splits, SPLITS: tl.
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, stride_x, stride_r, stride_o, stride_ro,
                      eps, xb_ptr, stride_split, num_splits, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-                     SPLITS: tl.constexpr = False, SPLIT_BIAS: tl.constexpr = False):
+                     SPLITS: tl.constexpr = False, SPLIT_BIAS: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+    pdl_start(USE_PDL)  # before any memory access (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -73,7 +75,8 @@ def _rotate_heads(x_row, o_row, num_heads, stride_h, stride_oh, half, c, s, offs
 def _rotary_qk_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, num_q_heads, num_k_heads, half,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
                       stride_cp, stride_sp, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                      BLOCK_HALF: tl.constexpr):
+                      BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_start(USE_PDL)  # before any memory access (kernels/pdl.py)
     # One program per token: cos/sin read from the tables at the token's position, q and k rotated.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -89,7 +92,8 @@ def _rotary_qk_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, n
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, xb_ptr, stride_split, num_splits,
-                         BLOCK: tl.constexpr, SPLITS: tl.constexpr = False, SPLIT_BIAS: tl.constexpr = False):
+                         BLOCK: tl.constexpr, SPLITS: tl.constexpr = False, SPLIT_BIAS: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+    pdl_start(USE_PDL)  # before any memory access (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -144,7 +148,8 @@ def _norm(name: str, x: torch.Tensor | SplitKPartials, residual: torch.Tensor | 
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2 if r2 is not None else x2, weight, out, r_out if r_out is not None else out, h,
             x2.stride(0), (r2 if r2 is not None else x2).stride(0), out.stride(0), out.stride(0), eps, *split_args,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block), **split_ce)
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block), **split_ce,
+            **pdl_launch(x2.device))
     return out.view(x.shape), (r_out.view(x.shape) if r_out is not None else None)
 
 
@@ -218,7 +223,8 @@ def rotary_qk(
         _rotary_qk_kernel[(t,)](q, k, positions, cos_cache, sin_cache, q_out, k_out, hq, k.shape[1], half,
                                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
                                 k_out.stride(0), k_out.stride(1), cos_cache.stride(0), sin_cache.stride(0),
-                                BLOCK_HQ=bq, BLOCK_HK=bk, BLOCK_HALF=bh, num_warps=_warps(bq * bh))
+                                BLOCK_HQ=bq, BLOCK_HK=bk, BLOCK_HALF=bh, num_warps=_warps(bq * bh),
+                                **pdl_launch(q.device))
     return q_out, k_out
 
 
@@ -238,7 +244,8 @@ def silu_and_mul(x: torch.Tensor | SplitKPartials) -> torch.Tensor:
     out = torch.empty((x2.shape[0], inter), dtype=x.dtype, device=x.device)
     if x2.shape[0] and inter:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, SILU_BLOCK))](
-            x2, out, inter, x2.stride(0), out.stride(0), *split_args, BLOCK=SILU_BLOCK, num_warps=4, **split_ce)
+            x2, out, inter, x2.stride(0), out.stride(0), *split_args, BLOCK=SILU_BLOCK, num_warps=4, **split_ce,
+            **pdl_launch(x2.device))
     return out.view(*x.shape[:-1], inter)
 
 

@@ -34,6 +34,7 @@ from ._common import (
     num_sms,
     upcast_dot,
 )
+from .pdl import pdl_launch, pdl_start
 
 # PROVISIONAL (one H200 run so far): tokens per decode partition. Contexts up to this length run in
 # one kernel; longer ones are split and reduced. Small batches use shorter partitions (more programs).
@@ -178,7 +179,9 @@ def _decode_kernel(
     stride_cb, stride_co, stride_ch, stride_sb, stride_so, stride_sh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     QUANT: tl.constexpr, SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_start(USE_PDL)  # before any memory access (kernels/pdl.py)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
@@ -226,7 +229,9 @@ def _decode_kernel(
 def _decode_reduce_kernel(
     part_acc_ptr, part_ml_ptr, ctx_ptr, out_ptr, head_dim, partition_size, max_splits, stride_os, stride_oh,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_start(USE_PDL)  # before any memory access (kernels/pdl.py)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     ctx = tl.load(ctx_ptr + seq)
@@ -255,7 +260,9 @@ def _prefill_kernel(
     stride_cb, stride_co, stride_ch, stride_sb, stride_so, stride_sh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     QUANT: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_start(USE_PDL)  # before any memory access (kernels/pdl.py)
     seq = tl.program_id(0)
     qb = tl.program_id(1)
     head = tl.program_id(2)
@@ -386,12 +393,13 @@ def paged_attention_decode_impl(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sb, so, sh,
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         QUANT=quant, SPLIT=split, UPCAST_DOT=upcast_dot(q.dtype), BLOCK_SIZE=block_size, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, **pdl_launch(q.device),
     )
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_acc, part_ml, context_lens, out, head_dim, part, num_splits, out.stride(0), out.stride(1),
             BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d, TILE=cfg.block_n, num_warps=REDUCE_NUM_WARPS,
+            **pdl_launch(q.device),
         )
     return out
 
@@ -475,7 +483,7 @@ def paged_attention_prefill(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sb, so, sh,
         GROUP=group, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_D=max(16, next_pow2(head_dim)),
         QUANT=quant, UPCAST_DOT=upcast_dot(q.dtype), BLOCK_SIZE=k_cache.shape[1], num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, **pdl_launch(q.device),
     )
     return out
 

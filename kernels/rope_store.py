@@ -21,6 +21,7 @@ import triton.language as tl
 from ._common import FLOAT_DTYPES, TRITON_DTYPE, LaunchSpec, SplitKPartials, check_device, next_pow2
 from .kv_store import _quantize_rows, check_store_target
 from .norm_rope import _kernel_input, _load_input
+from .pdl import pdl_launch, pdl_start
 
 NUM_WARPS = 4
 SHAPES = ((32, 32, 128), (32, 8, 128), (28, 4, 128), (9, 3, 64))  # (heads, kv heads, head_dim) for the smem check
@@ -73,7 +74,9 @@ def _rope_store_kernel(
     stride_cb, stride_co, stride_ch, stride_sb, stride_so, stride_sh,
     SPLITS: tl.constexpr, SPLIT_BIAS: tl.constexpr, QUANT: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_start(USE_PDL)  # before any memory access (kernels/pdl.py)
     # One program per (token, KV head): the GROUP query heads that share the KV head, the K head and
     # the V head. Spread over num_kv_heads programs, a decode token's split-K partials (S x 12,288
     # fp32 for Llama-2-7B's qkv) are read by as many SMs, not one.
@@ -172,7 +175,7 @@ def rope_store_kvcache(
             x2.stride(0), q.stride(0), q.stride(1), cos_cache.stride(0), sin_cache.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sb, so, sh,
             QUANT=quant, GROUP=group, BLOCK_G=next_pow2(group), BLOCK_HALF=next_pow2(half),
-            num_warps=NUM_WARPS, **{"SPLITS": False, "SPLIT_BIAS": False, **split_ce},
+            num_warps=NUM_WARPS, **{"SPLITS": False, "SPLIT_BIAS": False, **split_ce}, **pdl_launch(q.device),
         )
     return q
 

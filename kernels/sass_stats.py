@@ -51,6 +51,9 @@ def compile_spec(spec: Any, arch: int, one: tuple[str, ...] = ()) -> Any:
     if not isinstance(spec.kernel, JITFunction):
         raise RuntimeError("compiling kernels needs TRITON_INTERPRET unset (kernels are interpreter objects)")  # noqa: TRY004
     signature, constexprs = dict(spec.signature), dict(spec.constexprs)
+    for p in spec.kernel.params:  # constexprs a spec leaves out (e.g. USE_PDL) take their defaults
+        if p.name not in signature and p.is_constexpr and p.has_default:
+            signature[p.name], constexprs[p.name] = "constexpr", p.default
     for name in one:
         signature[name], constexprs[name] = "constexpr", 1
     attrs = {}

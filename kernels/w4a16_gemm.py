@@ -46,6 +46,7 @@ from ._common import (
     num_sms,
     upcast_dot,
 )
+from .pdl import pdl_launch, pdl_start
 from .w4_decode import NIBBLE_MASK, nibble_minus_zero, split_columns_mod4, unpack_minus_zero
 from .w4a16_swap_ab import w4a16_swap_ab_kernel
 from .w4a16_tuning import W4Launch, check_launch, tuned_launch
@@ -162,7 +163,8 @@ def sum_split_k(row_ptr, bias_ptr, offs, mask, stride_split, num_splits, HAS_BIA
 
 @triton.jit
 def _split_k_reduce_kernel(ws_ptr, bias_ptr, y_ptr, N, num_splits, stride_ws, stride_wm, stride_ym,
-                           HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_start(USE_PDL)  # before any memory access (kernels/pdl.py)
     # One program per (row, BLOCK_N columns).
     m = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -178,7 +180,9 @@ def _w4a16_gemv_kernel(
     M, N, stride_xm, stride_qn, stride_sg, stride_ym, stride_ys, num_groups, groups_per_split, nibble_mask,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_start(USE_PDL)  # before any memory access (kernels/pdl.py)
     # Works on the packed words themselves, one nibble position at a time: no unpacked
     # [BLOCK_N, GROUP_SIZE] tile, and each (row, word) accumulates its 8 products in one FFMA
     # chain (a tl.sum tree over unpacked weights pairs them into FMUL + FFMA + FADD).
@@ -244,7 +248,9 @@ def _w4a16_tiled_kernel(
     M, N, stride_xm, stride_qn, stride_sg, stride_ym, stride_ys, num_k_steps, steps_per_split, nibble_mask,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_start(USE_PDL)  # before any memory access (kernels/pdl.py)
     # BLOCK_K divides GROUP_SIZE, so one K step lies in one group: one scale/zero per column.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -294,7 +300,9 @@ def _w4a16_tiled_kernel(
 def _w4_dequant_kernel(
     qw_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_qn, stride_sg, stride_wn, nibble_mask,
     GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_start(USE_PDL)  # before any memory access (kernels/pdl.py)
     # One program: BLOCK_N rows x one group of K -> dense w [N, K] (nn.Linear orientation).
     WORDS: tl.constexpr = GROUP_SIZE // 8
     pid_n = tl.program_id(0)
@@ -408,7 +416,8 @@ def _dequantize_into(w: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     g = k // scales.shape[0]
     grid = (triton.cdiv(n, DEQUANT_BLOCK_N), k // g)
     _w4_dequant_kernel[grid](qweight, scales, zeros, w, n, k, qweight.stride(0), scales.stride(0), w.stride(0), NIBBLE_MASK,
-                             GROUP_SIZE=g, BLOCK_N=DEQUANT_BLOCK_N, num_warps=DEQUANT_NUM_WARPS)
+                             GROUP_SIZE=g, BLOCK_N=DEQUANT_BLOCK_N, num_warps=DEQUANT_NUM_WARPS,
+                             **pdl_launch(w.device))
 
 
 def dequant_slab_rows(n: int, k: int, elem_bytes: int) -> int:
@@ -513,7 +522,7 @@ def w4a16_gemm_path(
                       device=x.device)
     bias_arg = bias if bias is not None else x  # unused pointer of the dtype a bias would have
     common = {"HAS_BIAS": bias is not None, "SPLIT": split > 1, "num_warps": launch.num_warps,
-              "num_stages": launch.num_stages}
+              "num_stages": launch.num_stages, **pdl_launch(x.device)}
     if launch.path == "gemv":
         _w4a16_gemv_kernel[(grid_mn[1], split)](
             x, qweight, scales, zeros, bias_arg, out, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
@@ -536,7 +545,7 @@ def w4a16_gemm_path(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _split_k_reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK_N))](
         out, bias_arg, y, n, split, m * n, n, n, HAS_BIAS=bias is not None, BLOCK_N=REDUCE_BLOCK_N,
-        num_warps=REDUCE_NUM_WARPS)
+        num_warps=REDUCE_NUM_WARPS, **pdl_launch(x.device))
     return y
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .pdl import pdl_start
 from .w4_decode import unpack_minus_zero
 
 
@@ -29,7 +30,9 @@ def w4a16_swap_ab_kernel(
     M, N, stride_xm, stride_qn, stride_sg, stride_ym, stride_ys, num_k_steps, steps_per_split, nibble_mask,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_start(USE_PDL)  # before any memory access (kernels/pdl.py)
     # Grid (N tiles, M tiles, splits): weight tiles vary fastest, so programs running together share x.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)

@@ -1,0 +1,119 @@
+"""Programmatic dependent launch (PDL): let a kernel start before the one ahead of it in the stream ends.
+
+A decode step at batch 1 is ~10 kernels per layer, each a few µs; between two dependent kernels the GPU
+sits idle while the first drains, flushes its writes and the second is launched and set up. With PDL
+(sm_90 and later: ``griddepcontrol`` in PTX, the ``launch_pdl`` launch option of Triton >= 3.3; CUDA
+graph capture keeps these edges) a kernel's programs are started early and wait in hardware until the
+previous kernel has finished and its memory is visible, so that gap shrinks to the wait itself.
+
+Every kernel of ours calls :func:`pdl_start` before it touches memory and passes ``**pdl_launch(device)``
+to its launch: each program first lets the *next* kernel's programs launch, then waits for the *previous*
+kernel to complete. Nothing is read or written before that wait, so reuse of a freed buffer by the
+caching allocator, reads of outputs two kernels back (each kernel completes only after the one before it)
+and kernels of other libraries in between (launched without PDL: ordinary stream order) all stay as safe
+as without it. ``LIGHTINFER_PDL=0`` turns it off; it is off on older GPUs and on the CPU interpreter.
+
+Source: CUDA Programming Guide, "Programmatic Dependent Launch and Synchronization"; PTX ISA,
+``griddepcontrol``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import re
+import sys
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import interpreting
+
+ENV_VAR = "LIGHTINFER_PDL"
+
+
+@triton.jit
+def pdl_start(USE_PDL: tl.constexpr = False):
+    """First thing in a kernel: release the next kernel's launch, then wait for the previous kernel's
+    completion and memory (no-ops when the kernel was launched without PDL)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
+@functools.cache
+def _supported(index: int) -> bool:
+    try:
+        from triton.language.extra import cuda as tl_cuda
+    except ImportError:  # a Triton build without the CUDA extras
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9 and hasattr(tl_cuda, "gdc_wait")
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with PDL: a CUDA GPU of compute capability 9.0 or later, Triton
+    with ``griddepcontrol`` support, not the interpreter, and ``LIGHTINFER_PDL`` not ``0``."""
+    if device.type != "cuda" or interpreting() or os.environ.get(ENV_VAR, "1") == "0":
+        return False
+    return _supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_launch(device: torch.device) -> dict[str, Any]:
+    """Keyword arguments for a kernel launch on ``device``: the kernel's ``USE_PDL`` constexpr, and the
+    ``launch_pdl`` launch option when PDL is on."""
+    return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"USE_PDL": False}
+
+
+# Global-memory instructions in SASS: none may come before the wait (ACQBULK) in a PDL kernel.
+_GLOBAL_MEMORY = re.compile(r"\b(LDG|STG|LDGSTS|ATOMG|RED|UBLKCP|UTMALDG|UTMASTG)\b")
+
+
+def wait_order(arch: int = 90) -> list[dict[str, Any]]:
+    """For one launch spec of every kernel, compiled for ``sm_<arch>`` with ``USE_PDL=True``: whether the
+    SASS waits (``ACQBULK``, from ``griddepcontrol.wait``) before its first global-memory instruction, and
+    releases the next kernel (``PREEXIT``, from ``griddepcontrol.launch_dependents``). The property PDL's
+    safety rests on, checked on the machine code rather than trusted to the source.
+
+    Raises:
+        RuntimeError: under ``TRITON_INTERPRET=1`` (nothing to compile).
+    """
+    import dataclasses
+
+    from triton.tools.disasm import get_sass
+
+    from .sass_stats import compile_spec
+    from .smem_check import all_launch_specs
+
+    rows, seen = [], set()
+    for spec in all_launch_specs():
+        kernel = spec.name.split("[")[0]
+        if kernel in seen:
+            continue
+        seen.add(kernel)
+        spec = dataclasses.replace(spec, signature={**spec.signature, "USE_PDL": "constexpr"},
+                                   constexprs={**spec.constexprs, "USE_PDL": True})
+        lines = [line.split("\t")[-1].strip() for line in get_sass(compile_spec(spec, arch).asm["cubin"]).splitlines()]
+        first_wait = next((i for i, op in enumerate(lines) if op.startswith("ACQBULK")), None)
+        first_memory = next((i for i, op in enumerate(lines) if _GLOBAL_MEMORY.search(op)), None)
+        rows.append({"kernel": kernel, "waits": first_wait is not None,
+                     "releases": any(op.startswith("PREEXIT") for op in lines),
+                     "wait_before_memory": first_wait is not None and (first_memory is None or first_wait < first_memory)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: ``python -m lightinfer.kernels.pdl [--arch 90]`` prints :func:`wait_order` as one JSON line;
+    status 1 if a kernel touches memory before its wait."""
+    p = argparse.ArgumentParser(description="Check that every kernel waits before it touches memory under PDL")
+    p.add_argument("--arch", type=int, default=90, choices=(90,))
+    rows = wait_order(p.parse_args(argv).arch)
+    print(json.dumps(rows))
+    return 0 if all(r["wait_before_memory"] and r["releases"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
