@@ -6,8 +6,8 @@
 #   bash bench/gpu_checks.sh e2e      # Llama-2-7B shape, W4 + INT8 KV vs transformers fp16, ~8 min
 #   bash bench/gpu_checks.sh memory MODEL  # the memory table measured by the engine for one model
 #                                     # (llama-3-8b or llama-2-7b: 12 engine starts, ~5 min each)
-#   bash bench/gpu_checks.sh kernels  # bench/kernels.py --quick: issue 5 figures + the GEMV tile and
-#                                     # split-K sweeps (time unmeasured; extra arguments go to it, e.g. --skip attn)
+#   bash bench/gpu_checks.sh kernels  # bench/kernels.py --quick: issue 5 figures (GEMM incl. swap_ab, attention)
+#                                     # and the PDL decode chain (extra arguments go to it, e.g. --skip attn)
 #   bash bench/gpu_checks.sh tune     # bench/tune_w4a16.py: the W4A16 launch per shape and M on this GPU, written
 #                                     # to kernels/configs/w4a16_<device>.json and $OUT after every pair; starts
 #                                     # no new pair after --budget-s (default 420 s; a full run is ~10 min:

@@ -162,74 +162,6 @@ def bench_gemm(quick: bool, oracle_dir: Path, m_values: list[int]) -> list[dict[
     return rows
 
 
-def _weight_copies(k: int, n: int) -> tuple[list[tuple[torch.Tensor, ...]], int]:
-    """Random W4 run-time weights ``(qweight, scales, zeros)`` for ``[K, N]``, in as many copies as
-    rotate past the L2 cache (:func:`copies_for`), and that number."""
-    qweight = torch.randint(-2**31, 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int32)
-    scales = torch.rand(k // GROUP_SIZE, n, device="cuda").half() * 0.01
-    zeros = torch.full((k // GROUP_SIZE, n), 8.0, device="cuda").half()
-    nw = copies_for(n * k // 2)
-    return [(qweight.clone(), scales.clone(), zeros.clone()) for _ in range(nw)], nw
-
-
-def bench_split_sweep(quick: bool) -> list[dict[str, Any]]:
-    """µs of the GEMV / tiled paths at forced split-K factors: data for ``w4a16_gemm._split_k``."""
-    from lightinfer.kernels import w4a16_gemm as wg
-
-    rows = []
-    for name in ("llama2-7b/qkv", "llama2-7b/o", "llama3-8b/down"):
-        k, n = LINEAR_SHAPES[name]
-        sets, nw = _weight_copies(k, n)
-        for path, m_list in (("gemv", (1, 2)), ("tiled", (16, 64))):
-            for m in m_list:
-                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-                row: dict[str, Any] = {"shape": name, "path": path, "M": m}
-                for split in (1, 2, 4, 8, 16):
-                    row[f"split{split}_us"] = bench_us(
-                        lambda x=x, p=path, sk=split, ws=sets: [wg.w4a16_gemm_path(x, *w, path=p, split_k=sk)
-                                                                for w in ws], quick, nw)
-                row["auto_split"] = wg.pick_split_k(m, n, k, GROUP_SIZE, path, x.device)
-                rows.append(row)
-                print("split sweep", row, flush=True)
-    return rows
-
-
-def bench_gemv_tile_sweep(quick: bool) -> list[dict[str, Any]]:
-    """µs of the GEMV at M=1, 2 for each ``block_n`` (rows per program) and, at the configured
-    ``block_n``, each ``num_stages`` (1: no software pipelining; auto split-K): data for
-    ``w4a16_gemm.GEMV_CONFIGS``. Larger tiles and more stages spend fewer instructions per weight or keep
-    more bytes in flight (``python -m lightinfer.kernels.sass_stats``) but use more registers or
-    shared memory and start fewer programs."""
-    import dataclasses
-
-    from lightinfer.kernels import w4a16_gemm as wg
-
-    saved = list(wg.GEMV_CONFIGS)
-    base = wg.gemv_config(GROUP_SIZE)
-    variants = [("block_n", v) for v in (32, 64, 128, 256)] + [("num_stages", v) for v in (1, 2, 3, 4)]
-    rows = []
-    try:
-        for name in ("llama2-7b/qkv", "llama2-7b/o", "llama3-8b/gate_up", "llama3-8b/down"):
-            k, n = LINEAR_SHAPES[name]
-            sets, nw = _weight_copies(k, n)
-            for m in (1, 2):
-                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-                row: dict[str, Any] = {"shape": name, "M": m, "configured_block_n": base.rows(m),
-                                       "configured_num_stages": base.num_stages}
-                for field, value in variants:
-                    # block_n sets the rows per program at every M (block_n_single too)
-                    change = {field: value, "block_n_single": None} if field == "block_n" else {field: value}
-                    wg.GEMV_CONFIGS[:] = [dataclasses.replace(c, **change) if c.group_size == GROUP_SIZE
-                                          else c for c in saved]
-                    row[f"{field}{value}_us"] = bench_us(
-                        lambda x=x, ws=sets: [wg.w4a16_gemm_path(x, *w, path="gemv") for w in ws], quick, nw)
-                rows.append(row)
-                print("gemv tile sweep", row, flush=True)
-    finally:
-        wg.GEMV_CONFIGS[:] = saved
-    return rows
-
-
 def bench_attention(quick: bool) -> list[dict[str, Any]]:
     """Paged decode (fp16 and int8 caches) vs SDPA on contiguous fp16 K/V, one layer."""
     import torch.nn.functional as F
@@ -375,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--oracle-dir", type=Path, default=ROOT / ".oracle", help="unpacked autoawq 0.2.9 (optional)")
     p.add_argument("--quick", action="store_true", help="shorter timing loops")
     p.add_argument("--m", type=int, nargs="*", default=M_VALUES, help="GEMM M values")
-    p.add_argument("--skip", nargs="*", default=[], choices=["split_sweep", "gemv_tile_sweep", "gemm", "attn", "decode_chain"], help="sections to skip")
+    p.add_argument("--skip", nargs="*", default=[], choices=["gemm", "attn", "decode_chain"], help="sections to skip")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU: torch.cuda.is_available() is False. Nothing measured.",
@@ -398,9 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     result["timing"] = "CUDA-graph replay (triton do_bench_cudagraph), median, data rotated past the L2"
     result["copy"] = copy_bandwidth(args.quick)
     print(f"copy bandwidth: {result['copy']['GBps']:.0f} GB/s (read + write)", flush=True)
-    sections = {"split_sweep": lambda: bench_split_sweep(args.quick),
-                "gemv_tile_sweep": lambda: bench_gemv_tile_sweep(args.quick),
-                "gemm": lambda: bench_gemm(args.quick, args.oracle_dir, args.m),
+    # (The split-K and GEMV tile sweeps that used to be here are bench/tune_w4a16.py's search now.)
+    sections = {"gemm": lambda: bench_gemm(args.quick, args.oracle_dir, args.m),
                 "attn": lambda: bench_attention(args.quick),
                 "decode_chain": lambda: bench_decode_chain(args.quick)}
     for name, fn in sections.items():

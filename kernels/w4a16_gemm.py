@@ -94,7 +94,7 @@ class TiledConfig:
 
 # BLOCK_N x G = 8K weights per program and step whatever G is (64 per thread at 4 warps). Larger tiles
 # need fewer instructions per weight but more registers and fewer programs: bench/kernels.py's
-# gemv_tile_sweep times the choices (not yet run on a GPU for the current kernel). At M=1 the tile
+# bench/tune_w4a16.py times the choices per shape (not yet run on a GPU for the current kernel). At M=1 the tile
 # is twice as tall (16K weights per step): x is converted once per step and reused by twice the rows
 # (sm_90 loop with Triton 3.6, G=128 / 64 / 32: 5.61 / 5.34 / 5.50 -> 4.61 / 4.66 / 4.68 instructions
 # per weight; with 3.9: 4.81 / 5.61 / 5.88 -> 4.26 / 4.83 / 4.73; 96-128 registers, no spills on
