@@ -68,7 +68,8 @@ def pdl_launch(device: torch.device) -> dict[str, Any]:
     return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"USE_PDL": False}
 
 
-# Global-memory instructions in SASS: none may come before the wait (ACQBULK) in a PDL kernel.
+# Global-memory instructions in SASS: none may come before the wait (ACQBULK) in a PDL kernel. (L2 prefetches,
+# CCTL.E.PF2, read nothing into the program and touch only weights, which no kernel writes.)
 _GLOBAL_MEMORY = re.compile(r"\b(LDG|STG|LDGSTS|ATOMG|RED|UBLKCP|UTMALDG|UTMASTG)\b")
 
 
@@ -101,7 +102,9 @@ def wait_order(arch: int = 90) -> list[dict[str, Any]]:
         first_memory = next((i for i, op in enumerate(lines) if _GLOBAL_MEMORY.search(op)), None)
         rows.append({"kernel": kernel, "waits": first_wait is not None,
                      "releases": any(op.startswith("PREEXIT") for op in lines),
-                     "wait_before_memory": first_wait is not None and (first_memory is None or first_wait < first_memory)})
+                     "wait_before_memory": first_wait is not None and (first_memory is None or first_wait < first_memory),
+                     # L2 prefetches of weights (CCTL.E.PF2), the one thing allowed before the wait
+                     "prefetches_before_wait": sum(op.startswith("CCTL") for op in lines[:first_wait or 0])})
     return rows
 
 
@@ -117,3 +120,11 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 to fetch the 128-byte lines holding ``ptrs`` (a tensor of global addresses; no registers, no
+    wait). Only for memory no kernel writes (weights): it may run before :func:`pdl_start`'s wait."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)

@@ -1,4 +1,5 @@
-"""Exact 4-bit weight decode for the W4A16 kernels (run-time layout: ``reference`` module docstring).
+"""Exact 4-bit weight decode for the W4A16 kernels (run-time layout: ``reference`` module docstring), and the
+L2 prefetch of a program's weight slice that they issue under programmatic dependent launch.
 
 A nibble at bit ``p`` of an int32 word, masked in place and OR-ed with the float32 exponent of
 ``2^(23 - p)``, reads as exactly ``2^(23 - p) + q``; subtracting ``2^(23 - p) + z`` gives ``q - z``.
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .pdl import prefetch_l2
 
 # Passed to every kernel as a run-time argument, never written as a literal in them: a run-time value
 # makes the shifted masks loop-invariant registers, where literals get re-materialised by ptxas
@@ -64,3 +67,15 @@ def nibble_minus_zero(src, mask, c, BIT: tl.constexpr):
     ``mask = 15 << BIT``, ``c [R] = 2^(23 - BIT) + z`` (see :func:`unpack_minus_zero`)."""
     bits = (src & mask) | ((150 - BIT) << 23)
     return bits.to(tl.float32, bitcast=True) - c[:, None]
+
+
+@triton.jit
+def prefetch_weight_rows(qw_ptr, offs_n, N, stride_qn, w_start, w_end):
+    """Pull words ``[w_start, w_end)`` of weight rows ``offs_n`` into L2 (one prefetch per 128-byte line and
+    row; no registers, no wait). Called before :func:`pdl_start`'s wait under programmatic dependent launch:
+    weights are never written, so a program launched early streams its slice of them while the previous
+    kernel (a norm, the attention) is still running, and its loop then reads them from L2."""
+    base = qw_ptr + tl.minimum(offs_n, N - 1) * stride_qn + w_start
+    for w in range(0, w_end - w_start, 32):
+        prefetch_l2(base + w)
+    prefetch_l2(base + (w_end - w_start - 1))  # the last line, when the slice does not start on one

@@ -47,7 +47,13 @@ from ._common import (
     upcast_dot,
 )
 from .pdl import pdl_launch, pdl_start
-from .w4_decode import NIBBLE_MASK, nibble_minus_zero, split_columns_mod4, unpack_minus_zero
+from .w4_decode import (
+    NIBBLE_MASK,
+    nibble_minus_zero,
+    prefetch_weight_rows,
+    split_columns_mod4,
+    unpack_minus_zero,
+)
 from .w4a16_swap_ab import w4a16_swap_ab_kernel
 from .w4a16_tuning import W4Launch, check_launch, tuned_launch
 
@@ -182,7 +188,6 @@ def _w4a16_gemv_kernel(
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    pdl_start(USE_PDL)  # before any memory access (kernels/pdl.py)
     # Works on the packed words themselves, one nibble position at a time: no unpacked
     # [BLOCK_N, GROUP_SIZE] tile, and each (row, word) accumulates its 8 products in one FFMA
     # chain (a tl.sum tree over unpacked weights pairs them into FMUL + FFMA + FADD).
@@ -201,6 +206,10 @@ def _w4a16_gemv_kernel(
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    if USE_PDL:
+        g0 = pid_k * groups_per_split
+        prefetch_weight_rows(qw_ptr, offs_n, N, stride_qn, g0 * WORDS, tl.minimum(g0 + groups_per_split, num_groups) * WORDS)
+    pdl_start(USE_PDL)  # before any other memory access (kernels/pdl.py)
     offs_w = tl.arange(0, WORDS)
     offs_i = tl.arange(0, 8)
     offs_m = tl.arange(0, BLOCK_M)
@@ -250,7 +259,6 @@ def _w4a16_tiled_kernel(
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    pdl_start(USE_PDL)  # before any memory access (kernels/pdl.py)
     # BLOCK_K divides GROUP_SIZE, so one K step lies in one group: one scale/zero per column.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -261,6 +269,11 @@ def _w4a16_tiled_kernel(
     offs_w = tl.arange(0, BLOCK_K // 8)
     m_mask = offs_m < M
     n_mask = offs_n < N
+    if USE_PDL:  # this program's K slice of weights into L2 while the previous kernel finishes
+        t0 = pid_k * steps_per_split
+        prefetch_weight_rows(qw_ptr, offs_n, N, stride_qn, t0 * (BLOCK_K // 8),
+                             tl.minimum(t0 + steps_per_split, num_k_steps) * (BLOCK_K // 8))
+    pdl_start(USE_PDL)  # before any other memory access (kernels/pdl.py)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     t_start = pid_k * steps_per_split
     t_end = tl.minimum(t_start + steps_per_split, num_k_steps)

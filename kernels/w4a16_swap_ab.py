@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_start
-from .w4_decode import unpack_minus_zero
+from .w4_decode import prefetch_weight_rows, unpack_minus_zero
 
 
 @triton.jit
@@ -32,7 +32,6 @@ def w4a16_swap_ab_kernel(
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    pdl_start(USE_PDL)  # before any memory access (kernels/pdl.py)
     # Grid (N tiles, M tiles, splits): weight tiles vary fastest, so programs running together share x.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -43,6 +42,11 @@ def w4a16_swap_ab_kernel(
     offs_w = tl.arange(0, BLOCK_K // 8)
     m_mask = offs_m < M
     n_mask = offs_n < N
+    if USE_PDL:  # this program's K slice of weights into L2 while the previous kernel finishes
+        t0 = pid_k * steps_per_split
+        prefetch_weight_rows(qw_ptr, offs_n, N, stride_qn, t0 * (BLOCK_K // 8),
+                             tl.minimum(t0 + steps_per_split, num_k_steps) * (BLOCK_K // 8))
+    pdl_start(USE_PDL)  # before any other memory access (kernels/pdl.py)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y^T tile
     t_start = pid_k * steps_per_split
     t_end = tl.minimum(t_start + steps_per_split, num_k_steps)

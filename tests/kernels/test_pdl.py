@@ -47,7 +47,7 @@ def test_pdl_off_on_cpu_interpreter_and_by_request(gpu, monkeypatch: pytest.Monk
 def test_every_kernel_waits_before_touching_memory() -> None:
     """Compiled for sm_90 with PDL on, each kernel's SASS waits (ACQBULK) before its first global load or
     store and releases the next kernel (PREEXIT): nothing can read a buffer the previous kernel is still
-    writing, or overwrite one it is still reading."""
+    writing, or overwrite one it is still reading. The W4 GEMMs' L2 prefetches of weights come before it."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     proc = subprocess.run([sys.executable, "-m", "lightinfer.kernels.pdl", "--arch", "90"], env=env,
@@ -57,4 +57,6 @@ def test_every_kernel_waits_before_touching_memory() -> None:
                                            "w4_dequant", "attn_decode", "attn_decode_reduce", "attn_prefill",
                                            "store_kv", "rms_norm", "rotary_qk", "silu_and_mul", "rope_store"}
     assert [r for r in rows if not (r["waits"] and r["releases"] and r["wait_before_memory"])] == []
+    # Only the W4 GEMMs prefetch (their weight slices, into L2) before the wait.
+    assert {r["kernel"] for r in rows if r["prefetches_before_wait"]} == {"w4a16_gemv", "w4a16_tiled", "w4a16_swap_ab"}
     assert proc.returncode == 0, proc.stderr[-3000:]
