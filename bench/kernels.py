@@ -258,11 +258,12 @@ def bench_decode_chain(quick: bool, num_layers: int = 32) -> dict[str, Any]:
     try:
         for flag, key in (("0", "plain"), ("1", "pdl")):
             os.environ[pdl.ENV_VAR] = flag  # read at every launch, so at graph capture too
+            if flag == "1":
+                out["pdl_enabled"] = pdl.pdl_enabled(torch.device("cuda"))  # False before sm_90: then both are plain
             out[f"{key}_us"] = bench_us(step, quick)
             out[f"{key}_GBps"] = weight_bytes / out[f"{key}_us"] / 1e3
     finally:
         os.environ.pop(pdl.ENV_VAR) if saved is None else os.environ.__setitem__(pdl.ENV_VAR, saved)
-    out["pdl_enabled"] = pdl.pdl_enabled(torch.device("cuda"))
     out["pdl_speedup"] = out["plain_us"] / out["pdl_us"]
     print(f"decode chain ({num_layers} layers, no attention): plain {out['plain_us']:.0f} us "
           f"({out['plain_GBps']:.0f} GB/s of weights), PDL {out['pdl_us']:.0f} us: x{out['pdl_speedup']:.3f}", flush=True)
@@ -327,7 +328,10 @@ def main(argv: list[str] | None = None) -> int:
 
     tuned = wt.device_file(result["gpu"])
     result["tuned_configs"] = str(tuned) if tuned.exists() else None  # rows say "tuned" where used
-    result["timing"] = "CUDA-graph replay (triton do_bench_cudagraph), median, data rotated past the L2"
+    result["timing"] = ("CUDA-graph replay (triton do_bench_cudagraph), median, data rotated past the L2; gemm and attn "
+                        "with programmatic dependent launch off (each kernel on its own, as cuBLAS and SDPA run), "
+                        "decode_chain with it off and on")
+    os.environ["LIGHTINFER_PDL"] = "0"  # decode_chain sets it per measurement
     result["copy"] = copy_bandwidth(args.quick)
     print(f"copy bandwidth: {result['copy']['GBps']:.0f} GB/s (read + write)", flush=True)
     # (The split-K and GEMV tile sweeps that used to be here are bench/tune_w4a16.py's search now.)
