@@ -1,5 +1,6 @@
-"""Exact 4-bit weight decode for the W4A16 kernels (run-time layout: ``reference`` module docstring), and the
-L2 prefetch of a program's weight slice that they issue under programmatic dependent launch.
+"""Pieces shared by the W4A16 kernels: exact 4-bit weight decode (run-time layout: ``reference`` module
+docstring), the K-split prologue with its L2 prefetch under programmatic dependent launch, the scale/zero
+prefetch of a K step, and the output store.
 
 A nibble at bit ``p`` of an int32 word, masked in place and OR-ed with the float32 exponent of
 ``2^(23 - p)``, reads as exactly ``2^(23 - p) + q``; subtracting ``2^(23 - p) + z`` gives ``q - z``.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .pdl import prefetch_l2
+from .pdl import pdl_start, prefetch_l2
 
 # Passed to every kernel as a run-time argument, never written as a literal in them: a run-time value
 # makes the shifted masks loop-invariant registers, where literals get re-materialised by ptxas
@@ -79,3 +80,48 @@ def prefetch_weight_rows(qw_ptr, offs_n, N, stride_qn, w_start, w_end):
     for w in range(0, w_end - w_start, 32):
         prefetch_l2(base + w)
     prefetch_l2(base + (w_end - w_start - 1))  # the last line, when the slice does not start on one
+
+
+@triton.jit
+def k_split_begin(qw_ptr, s_ptr, z_ptr, offs_n, n_mask, N, stride_qn, stride_sg, pid_k, num_k_steps, steps_per_split,
+                  GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """Start of a W4 GEMM program's K loop: its steps ``[t_start, t_end)`` of ``BLOCK_K`` (a divisor of the
+    group size), and the first step's scales and zeros, loaded ahead (:func:`k_step_scales`). Under PDL the
+    program's weight slice is prefetched into L2 first, then :func:`.pdl.pdl_start` waits: every load here
+    and after it follows the wait. Returns ``(t_start, t_end, s_next, z_next)``."""
+    t_start = pid_k * steps_per_split
+    t_end = tl.minimum(t_start + steps_per_split, num_k_steps)  # the launchers never make an empty split
+    if USE_PDL:
+        prefetch_weight_rows(qw_ptr, offs_n, N, stride_qn, t_start * (BLOCK_K // 8), t_end * (BLOCK_K // 8))
+    pdl_start(USE_PDL)
+    STEPS_PER_GROUP: tl.constexpr = GROUP_SIZE // BLOCK_K  # (t * BLOCK_K) // GROUP_SIZE costs an SGXT
+    s_next = tl.load(s_ptr + (t_start // STEPS_PER_GROUP) * stride_sg + offs_n, mask=n_mask, other=0.0)
+    z_next = tl.load(z_ptr + (t_start // STEPS_PER_GROUP) * stride_sg + offs_n, mask=n_mask, other=0.0)
+    return t_start, t_end, s_next, z_next
+
+
+@triton.jit
+def k_step_scales(s_ptr, z_ptr, s_next, z_next, t, t_end, offs_n, n_mask, stride_sg,
+                  GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Step ``t``'s scales and zeros in fp32 (loaded one step earlier), and the next step's loads issued now:
+    2 bytes per thread, too narrow for cp.async, so their DRAM latency overlaps a step of work this way
+    (the last step re-reads its own group: in bounds, unused). Returns ``(s, z, s_next, z_next)``."""
+    s = s_next.to(tl.float32)
+    z = z_next.to(tl.float32)
+    g_ahead = tl.minimum(t + 1, t_end - 1) // (GROUP_SIZE // BLOCK_K)
+    s_next = tl.load(s_ptr + g_ahead * stride_sg + offs_n, mask=n_mask, other=0.0)
+    z_next = tl.load(z_ptr + g_ahead * stride_sg + offs_n, mask=n_mask, other=0.0)
+    return s, z, s_next, z_next
+
+
+@triton.jit
+def store_output(acc, bias_ptr, y_ptr, offs_m, offs_n, y_mask, n_mask, pid_k, stride_ym, stride_ys,
+                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """``acc [BLOCK_M, BLOCK_N]`` fp32 -> ``y`` (+ bias, in y's dtype), or, split-K, this split's fp32 slice of
+    the ``[split, M, N]`` workspace (bias and cast left to the split-K reduction)."""
+    if SPLIT:
+        tl.store(y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :], acc, mask=y_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=y_mask)

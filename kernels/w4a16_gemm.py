@@ -49,12 +49,14 @@ from ._common import (
 from .pdl import pdl_launch, pdl_start
 from .w4_decode import (
     NIBBLE_MASK,
+    k_split_begin,
+    k_step_scales,
     nibble_minus_zero,
-    prefetch_weight_rows,
     split_columns_mod4,
+    store_output,
     unpack_minus_zero,
 )
-from .w4a16_swap_ab import w4a16_swap_ab_kernel
+from .w4a16_tiled import w4a16_tiled_kernel
 from .w4a16_tuning import W4Launch, check_launch, tuned_launch
 
 # ----------------------------------------------------------------------------- crossovers
@@ -142,19 +144,6 @@ REDUCE_NUM_WARPS = 4
 
 
 @triton.jit
-def _store_output(acc, bias_ptr, y_ptr, offs_m, offs_n, y_mask, n_mask, pid_k, stride_ym, stride_ys,
-                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
-    """``acc [BLOCK_M, BLOCK_N]`` fp32 -> ``y`` (+ bias, in y's dtype), or, split-K, this split's fp32 slice of
-    the ``[split, M, N]`` workspace (bias and cast left to :func:`_split_k_reduce_kernel`)."""
-    if SPLIT:
-        tl.store(y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :], acc, mask=y_mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=y_mask)
-
-
-@triton.jit
 def sum_split_k(row_ptr, bias_ptr, offs, mask, stride_split, num_splits, HAS_BIAS: tl.constexpr, dtype: tl.constexpr):
     """The output ``y[row, offs]`` from split-K partials at ``row_ptr + s * stride_split + offs``: splits summed
     in order in fp32, plus ``bias[offs]``, rounded to ``dtype``. The one definition of that sum: the
@@ -206,25 +195,17 @@ def _w4a16_gemv_kernel(
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    if USE_PDL:
-        g0 = pid_k * groups_per_split
-        prefetch_weight_rows(qw_ptr, offs_n, N, stride_qn, g0 * WORDS, tl.minimum(g0 + groups_per_split, num_groups) * WORDS)
-    pdl_start(USE_PDL)  # before any other memory access (kernels/pdl.py)
+    # A K step is one group here (BLOCK_K = GROUP_SIZE).
+    g_start, g_end, s_next, z_next = k_split_begin(qw_ptr, s_ptr, z_ptr, offs_n, n_mask, N, stride_qn, stride_sg, pid_k,
+                                                   num_groups, groups_per_split, GROUP_SIZE, GROUP_SIZE, USE_PDL)
     offs_w = tl.arange(0, WORDS)
     offs_i = tl.arange(0, 8)
     offs_m = tl.arange(0, BLOCK_M)
     m4, m8, m12, m16 = nibble_mask << 4, nibble_mask << 8, nibble_mask << 12, nibble_mask << 16
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    g_start = pid_k * groups_per_split
-    g_end = tl.minimum(g_start + groups_per_split, num_groups)  # the launcher never makes an empty split
-    s_next = tl.load(s_ptr + g_start * stride_sg + offs_n, mask=n_mask, other=0.0)
-    z_next = tl.load(z_ptr + g_start * stride_sg + offs_n, mask=n_mask, other=0.0)
     for g in tl.range(g_start, g_end, num_stages=NUM_STAGES):
-        s = s_next.to(tl.float32)
-        z = z_next.to(tl.float32)
-        g_ahead = tl.minimum(g + 1, g_end - 1)  # the last step re-reads its own group: in bounds, unused
-        s_next = tl.load(s_ptr + g_ahead * stride_sg + offs_n, mask=n_mask, other=0.0)
-        z_next = tl.load(z_ptr + g_ahead * stride_sg + offs_n, mask=n_mask, other=0.0)
+        s, z, s_next, z_next = k_step_scales(s_ptr, z_ptr, s_next, z_next, g, g_end, offs_n, n_mask, stride_sg,
+                                             GROUP_SIZE, GROUP_SIZE)
         w = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (g * WORDS + offs_w)[None, :],
                     mask=n_mask[:, None], other=0)  # [BLOCK_N, WORDS]
         hi = w >> 12  # nibbles 5-7 at bits 8..19
@@ -247,65 +228,7 @@ def _w4a16_gemv_kernel(
             t += nibble_minus_zero(hi, m16, c16, 16) * x7[None, :]
             part = s * tl.sum(t, axis=1)  # [BLOCK_N]
             acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
-    _store_output(acc, bias_ptr, y_ptr, offs_m, offs_n, (offs_m[:, None] < M) & n_mask[None, :], n_mask, pid_k,
-                  stride_ym, stride_ys, HAS_BIAS, SPLIT)
-
-
-@triton.jit
-def _w4a16_tiled_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
-    M, N, stride_xm, stride_qn, stride_sg, stride_ym, stride_ys, num_k_steps, steps_per_split, nibble_mask,
-    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-):
-    # BLOCK_K divides GROUP_SIZE, so one K step lies in one group: one scale/zero per column.
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_w = tl.arange(0, BLOCK_K // 8)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    if USE_PDL:  # this program's K slice of weights into L2 while the previous kernel finishes
-        t0 = pid_k * steps_per_split
-        prefetch_weight_rows(qw_ptr, offs_n, N, stride_qn, t0 * (BLOCK_K // 8),
-                             tl.minimum(t0 + steps_per_split, num_k_steps) * (BLOCK_K // 8))
-    pdl_start(USE_PDL)  # before any other memory access (kernels/pdl.py)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    t_start = pid_k * steps_per_split
-    t_end = tl.minimum(t_start + steps_per_split, num_k_steps)
-    # x and the weight words are software-pipelined (num_stages: they feed tl.dot); scales and zeros,
-    # 2 bytes per thread and too narrow for cp.async, are loaded one step ahead into registers so their
-    # DRAM latency overlaps a step of work (the last step re-reads its own group: in bounds, unused).
-    STEPS_PER_GROUP: tl.constexpr = GROUP_SIZE // BLOCK_K  # (t * BLOCK_K) // GROUP_SIZE costs an SGXT
-    s_next = tl.load(s_ptr + (t_start // STEPS_PER_GROUP) * stride_sg + offs_n, mask=n_mask, other=0.0)
-    z_next = tl.load(z_ptr + (t_start // STEPS_PER_GROUP) * stride_sg + offs_n, mask=n_mask, other=0.0)
-    for t in range(t_start, t_end):
-        k0 = t * BLOCK_K
-        s = s_next.to(tl.float32)
-        z = z_next.to(tl.float32)
-        g_ahead = tl.minimum(t + 1, t_end - 1) // STEPS_PER_GROUP
-        s_next = tl.load(s_ptr + g_ahead * stride_sg + offs_n, mask=n_mask, other=0.0)
-        z_next = tl.load(z_ptr + g_ahead * stride_sg + offs_n, mask=n_mask, other=0.0)
-        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                    mask=m_mask[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
-        if UPCAST_DOT:
-            a = a.to(tl.float32)  # CPU interpreter only: its bf16 tl.dot returns garbage (Triton 3.9)
-        words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :],
-                        mask=n_mask[:, None], other=0)  # [BLOCK_N, BLOCK_K // 8]
-        qz = unpack_minus_zero(words, z, nibble_mask, BLOCK_K)  # [BLOCK_N, BLOCK_K]: q - z, exact
-        if BLOCK_M <= 32:
-            # One K step is one group, so the scale can wait until after the dot: BLOCK_M x BLOCK_N
-            # multiplies per step instead of BLOCK_N x BLOCK_K, and q - z enters the tensor cores
-            # exactly (sm_90 loop at BLOCK_M=16: 6.95 -> 6.11 instructions per weight). Larger
-            # tiles lose: the extra accumulator costs registers (kernels/sass_stats.py).
-            acc += tl.dot(a, tl.trans(qz.to(a.dtype))) * s[None, :]
-        else:
-            acc = tl.dot(a, tl.trans((qz * s[:, None]).to(a.dtype)), acc)
-    _store_output(acc, bias_ptr, y_ptr, offs_m, offs_n, m_mask[:, None] & n_mask[None, :], n_mask, pid_k,
+    store_output(acc, bias_ptr, y_ptr, offs_m, offs_n, (offs_m[:, None] < M) & n_mask[None, :], n_mask, pid_k,
                   stride_ym, stride_ys, HAS_BIAS, SPLIT)
 
 
@@ -541,16 +464,12 @@ def w4a16_gemm_path(
             x, qweight, scales, zeros, bias_arg, out, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
             n, m * n, num_k_steps, steps_per_split, NIBBLE_MASK, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n,
             NUM_STAGES=launch.num_stages, **common)
-    elif launch.path == "swap_ab":
-        w4a16_swap_ab_kernel[(grid_mn[1], grid_mn[0], split)](
+    else:  # tiled / swap_ab: one kernel, the operand order a constexpr (kernels/w4a16_tiled.py)
+        swap = launch.path == "swap_ab"
+        w4a16_tiled_kernel[(grid_mn[1], grid_mn[0], split) if swap else (grid_mn[0], grid_mn[1], split)](
             x, qweight, scales, zeros, bias_arg, out, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
             n, m * n, num_k_steps, steps_per_split, NIBBLE_MASK, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, UPCAST_DOT=upcast_dot(x.dtype), **common)
-    else:
-        _w4a16_tiled_kernel[(grid_mn[0], grid_mn[1], split)](
-            x, qweight, scales, zeros, bias_arg, out, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
-            n, m * n, num_k_steps, steps_per_split, NIBBLE_MASK, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, UPCAST_DOT=upcast_dot(x.dtype), **common)
+            BLOCK_K=block_k, UPCAST_DOT=upcast_dot(x.dtype), SWAP_AB=swap, **common)
     if split == 1:
         return out
     if defer_reduce:
@@ -608,26 +527,21 @@ def launch_specs(dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> list[Lau
                           "NUM_STAGES": cfg.num_stages, "HAS_BIAS": True, "SPLIT": split}
                     specs.append(LaunchSpec(f"w4a16_gemv[{dt}]", _w4a16_gemv_kernel, {**sig, **dict.fromkeys(ce, "constexpr")},
                                             ce, cfg.num_warps, cfg.num_stages))
-        for tcfg in dict.fromkeys(TILED_CONFIGS + TILED_CONFIGS_PRE_HOPPER):
-            for g in SUPPORTED_GROUP_SIZES:
-                for split in (False, True):
-                    sig = {**base, "y_ptr": "*fp32" if split else f, **{i: "i32" for i in ints},
-                           "num_k_steps": "i32", "steps_per_split": "i32", "nibble_mask": "i32"}
-                    ce = {"GROUP_SIZE": g, "BLOCK_M": tcfg.block_m, "BLOCK_N": tcfg.block_n, "BLOCK_K": min(tcfg.block_k, g),
-                          "HAS_BIAS": True, "SPLIT": split, "UPCAST_DOT": False}
-                    specs.append(LaunchSpec(f"w4a16_tiled[{dt}]", _w4a16_tiled_kernel,
-                                            {**sig, **dict.fromkeys(ce, "constexpr")}, ce, tcfg.num_warps,
-                                            tcfg.num_stages))
-        for block_m in (16, 32, 64):  # the swap_ab path's forced defaults (tuned files bring their own, measured)
+        # The tiled path's configurations, and the swap_ab path's forced defaults (tuned files bring their own).
+        tensor_core = [("w4a16_tiled", False, t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages)
+                       for t in dict.fromkeys(TILED_CONFIGS + TILED_CONFIGS_PRE_HOPPER)]
+        for block_m in (16, 32, 64):
             la = default_launch(block_m, 4096, 4096, 128, torch.device("cpu"), "swap_ab")
+            tensor_core.append(("w4a16_swap_ab", True, la.block_m, la.block_n, la.block_k, la.num_warps, la.num_stages))
+        for name, swap, block_m, block_n, block_k, num_warps, num_stages in tensor_core:
             for g in SUPPORTED_GROUP_SIZES:
                 for split in (False, True):
                     sig = {**base, "y_ptr": "*fp32" if split else f, **{i: "i32" for i in ints},
                            "num_k_steps": "i32", "steps_per_split": "i32", "nibble_mask": "i32"}
-                    ce = {"GROUP_SIZE": g, "BLOCK_M": la.block_m, "BLOCK_N": la.block_n, "BLOCK_K": min(la.block_k, g),
-                          "HAS_BIAS": True, "SPLIT": split, "UPCAST_DOT": False}
-                    specs.append(LaunchSpec(f"w4a16_swap_ab[{dt}]", w4a16_swap_ab_kernel,
-                                            {**sig, **dict.fromkeys(ce, "constexpr")}, ce, la.num_warps, la.num_stages))
+                    ce = {"GROUP_SIZE": g, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": min(block_k, g),
+                          "HAS_BIAS": True, "SPLIT": split, "UPCAST_DOT": False, "SWAP_AB": swap}
+                    specs.append(LaunchSpec(f"{name}[{dt}]", w4a16_tiled_kernel, {**sig, **dict.fromkeys(ce, "constexpr")},
+                                            ce, num_warps, num_stages))
         for g in SUPPORTED_GROUP_SIZES:
             ce = {"GROUP_SIZE": g, "BLOCK_N": DEQUANT_BLOCK_N}
             sig = {"qw_ptr": "*i32", "s_ptr": f, "z_ptr": f, "w_ptr": f, "N": "i32", "K": "i32", "stride_qn": "i32",

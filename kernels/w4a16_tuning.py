@@ -46,7 +46,7 @@ class W4Launch:
 
     Attributes:
         path: ``"gemv"`` (FFMA, split-K), ``"tiled"`` (tensor cores), ``"swap_ab"`` (tensor cores, weights
-            as the A operand: :mod:`.w4a16_swap_ab`) or ``"dequant"`` (dequantize + cuBLAS; the other
+            as the A operand: :mod:`.w4a16_tiled`) or ``"dequant"`` (dequantize + cuBLAS; the other
             fields are unused).
         block_m: rows of x per program (gemv: the launcher uses ``next_pow2(M)`` whatever is stored).
         block_n: output columns (weight rows) per program.
