@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
 from lightinfer.config import EngineConfig
+from lightinfer.engine.detokenizer import check_text
 from lightinfer.engine.llm_engine import LLMEngine
 from lightinfer.outputs import RequestOutput
 from lightinfer.sampling_params import SamplingParams
 
 Message = dict[str, object]
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # as the OpenAI API takes them
 PromptType = str | list[int] | dict  # dict: vLLM style {"prompt": ...} or {"prompt_token_ids": ...}
 
 
@@ -39,15 +41,20 @@ def apply_chat_template(tokenizer: object, messages: list[Message]) -> list[int]
     """Token ids of ``messages`` through the tokenizer's chat template, ready for the reply.
 
     Raises:
-        ValueError: no messages, a message without role/content, or a tokenizer without a template.
+        ValueError: no messages, a message without role/content or with an unknown role, text that is not
+            valid Unicode, or a tokenizer without a template.
     """
-    if not messages:
-        raise ValueError("the conversation is empty; give at least one message")
+    if isinstance(messages, (str, dict)) or not messages:
+        raise ValueError("a conversation is a non-empty list of {'role': ..., 'content': ...} messages"
+                         + (f", got {type(messages).__name__}" if messages else ", got an empty one"))
     clean = []
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
-        clean.append({"role": str(m["role"]), "content": message_text(m["content"])})
+        if m["role"] not in CHAT_ROLES:
+            raise ValueError(f"message role {m['role']!r} is not one of {', '.join(CHAT_ROLES)}")
+        role = "system" if m["role"] == "developer" else str(m["role"])  # OpenAI's newer name for system
+        clean.append({"role": role, "content": check_text(message_text(m["content"]), f"a {role} message")})
     if tokenizer is None:
         raise ValueError("this engine has no tokenizer (skip_tokenizer_init or a dummy model): chat needs one")
     if not getattr(tokenizer, "chat_template", None):
@@ -96,12 +103,17 @@ class LLM:
         Raises:
             ValueError: a bad prompt or setting (checked for every prompt before any work starts).
         """
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        if (isinstance(prompts, (str, dict)) or not isinstance(prompts, Iterable)
+                or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))):
+            prompts = [prompts]  # type: ignore[list-item]  (one prompt; encode_prompt refuses other types)
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
+        if bad is not None:
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(bad).__name__}; "
+                             f"e.g. SamplingParams(max_tokens=64)")
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
         for p, sp in zip(prompts, params):  # validate all before queueing any
@@ -115,7 +127,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the chat template."""
+        """Generate replies to one conversation or a list of them, through the chat template.
+
+        Raises:
+            ValueError: see :func:`apply_chat_template`, and :meth:`generate`.
+        """
+        if isinstance(messages, (str, dict)):
+            raise ValueError(  # noqa: TRY004 - every bad input is a ValueError here
+                f"chat() takes a conversation (a list of {{'role': ..., 'content': ...}} messages) or a "
+                f"list of them, got {type(messages).__name__}; for a plain prompt use generate()")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         ids = [apply_chat_template(self.tokenizer, conv) for conv in conversations]  # type: ignore[arg-type]
         return self.generate(ids, sampling_params, use_tqdm)

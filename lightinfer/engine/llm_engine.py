@@ -14,7 +14,7 @@ import torch
 
 from lightinfer.config import EngineConfig
 from lightinfer.engine.block_manager import BlockManager
-from lightinfer.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
+from lightinfer.engine.detokenizer import IncrementalDetokenizer, check_text, find_stop, stop_holdback
 from lightinfer.engine.model_runner import ModelRunner
 from lightinfer.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from lightinfer.engine.sequence import Sequence
@@ -153,8 +153,9 @@ class LLMEngine:
         Also takes vLLM's prompt dicts: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``.
 
         Raises:
-            ValueError: empty prompt, ids outside the vocabulary, a dict without either key, or a
-                prompt that leaves no room for one new token within ``max_model_len``.
+            ValueError: empty prompt, text that is not valid Unicode, ids outside the vocabulary, a dict
+                without either key, another type, or a prompt that leaves no room for one new token within
+                ``max_model_len``.
         """
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -164,9 +165,14 @@ class LLMEngine:
             else:
                 raise ValueError(f"a dict prompt needs 'prompt' (text) or 'prompt_token_ids' (a list of ids), "
                                  f"got keys {sorted(prompt)}")
+        if not isinstance(prompt, (str, list, tuple)):
+            raise ValueError(  # noqa: TRY004 - every bad input is a ValueError here
+                f"a prompt is a string, a list of token ids or a {{'prompt': ...}} / "
+                f"{{'prompt_token_ids': ...}} dict, got {type(prompt).__name__}")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty; give at least one character or token id")
+            check_text(prompt, "the prompt")
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer (skip_tokenizer_init, or dummy weights from a config "
                                  "folder without tokenizer files): give prompts as token-id lists")

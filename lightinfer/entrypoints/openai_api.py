@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import logging
 import math
 import secrets
@@ -255,10 +256,21 @@ def create_openai_app(engine: AsyncLLMEngine, served_model_name: str, api_key: s
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        if first.get("type") == "json_invalid" or not loc:  # the body itself, not one of its fields
+        raw = first.get("input")
+        if isinstance(raw, (bytes, str)) and not loc:  # no JSON Content-Type: FastAPI left the body unparsed
+            try:
+                json.loads(raw)
+            except ValueError as e:
+                first = {"type": "json_invalid", "ctx": {"error": str(e)}}
+            else:
+                return _error_response(OpenAIError(400, "send the JSON body with Content-Type: application/json"))
+        if first.get("type") == "json_invalid":  # the body itself, not one of its fields
             detail = (first.get("ctx") or {}).get("error") or first.get("msg", "")
             return _error_response(OpenAIError(400, f"the request body is not valid JSON ({detail}); send a JSON "
                                                     "object with Content-Type: application/json"))
+        if not loc:  # valid JSON, but not an object (a list, a number)
+            return _error_response(OpenAIError(400, f"the request body must be a JSON object, got a JSON "
+                                                    f"{type(raw).__name__}"))
         msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: {e.get('msg')}"
                         for e in exc.errors()[:5])
         return _error_response(OpenAIError(400, msg or "invalid request", param=loc or None))

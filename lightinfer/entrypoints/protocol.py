@@ -2,8 +2,10 @@
 
 Field names and meanings follow OpenAI's API reference; ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens`` and ``stop_token_ids`` are extras (as in
-vLLM) that the official client sends through ``extra_body``. Unknown fields are ignored.
-Range checks live here so a bad value is a 400 naming the field before any work starts.
+vLLM) that the official client sends through ``extra_body``. Unknown fields are ignored; OpenAI fields
+that lightinfer does not implement (``UNSUPPORTED``: JSON mode, tools, ``logit_bias``, ``best_of``,
+``suffix``) are a 400 when set, rather than a reply that silently ignores them. Range checks live here so a
+bad value is a 400 naming the field before any work starts.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from lightinfer.engine.detokenizer import check_text
 
 
 def random_id(prefix: str) -> str:
@@ -40,10 +44,39 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# field -> (what it asks for, the values that ask for nothing): set to anything else, a clear 400.
+UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "response_format": ("structured output (JSON mode / JSON schema)", (None, {"type": "text"})),
+    "tools": ("tool calls", (None, [])),
+    "tool_choice": ("tool calls", (None, "none")),
+    "functions": ("function calls", (None, [])),
+    "function_call": ("function calls", (None, "none")),
+    "logit_bias": ("logit_bias", (None, {})),
+    "suffix": ("suffix (insertion)", (None, "")),
+}
+
+
+def _refuse_unsupported(name: str, value: Any) -> Any:
+    what, neutral = UNSUPPORTED[name]
+    if value not in neutral:
+        raise ValueError(f"{what} is not supported by lightinfer; leave {name} out")
+    return value
+
+
+def _unicode(value: Any, what: str) -> Any:
+    """``value``'s strings (a str, or a list of str / text parts) checked to be valid Unicode."""
+    for item in value if isinstance(value, list) else [value]:
+        text = item if isinstance(item, str) else getattr(item, "text", None)
+        if isinstance(text, str):
+            check_text(text, what)
+    return value
+
+
 class _SamplingRequest(BaseModel):
     """Fields shared by chat and text completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    # allow_inf_nan=False: NaN/inf are a "finite number" error, not a confusing range one
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
     n: int = Field(1, ge=1, le=16)
@@ -63,6 +96,22 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    logit_bias: Any = None
+
+    @field_validator(*[f for f in UNSUPPORTED if f != "suffix"])
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unsupported(info.field_name, value)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_text(cls, value: Any) -> Any:
+        return _unicode(value, "a stop string")
 
 
 class TextContentPart(BaseModel):
@@ -78,6 +127,11 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_text(cls, value: Any) -> Any:
+        return _unicode(value, "the message content")
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
@@ -95,12 +149,39 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")  # as OpenAI's API
+        return value
+
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_text(cls, value: Any) -> Any:
+        return _unicode(value, "the prompt")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        return _refuse_unsupported("suffix", value)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("best_of (sampling more completions than are returned) is not supported by lightinfer; "
+                             "leave it out, or use n")
+        return value
 
 
 # ---------------------------------------------------------------------------- responses

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -189,3 +190,20 @@ def test_broken_logits_end_that_request_only(tiny, caplog) -> None:
     assert all(len(finished[r].outputs[0].token_ids) == 6 for r in "ac")
     assert "request b" in caplog.text and "NaN or infinite" in caplog.text
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda llm: llm.generate("hi", {"max_tokens": 2}), "sampling_params must be a SamplingParams"),
+    (lambda llm: llm.generate(5), "a prompt is a string"),
+    (lambda llm: llm.generate("a\ud800b"), "not valid Unicode"),
+    (lambda llm: llm.chat("hi"), "chat() takes a conversation"),
+    (lambda llm: llm.chat([{"role": "wizard", "content": "x"}]), "role 'wizard' is not one of"),
+    (lambda llm: llm.chat([{"role": "user", "content": "\udfff"}]), "user message is not valid Unicode"),
+])
+def test_python_api_bad_arguments_are_clear(tiny, call, needle: str) -> None:
+    """The Python API refuses what the HTTP API refuses, with a ValueError that says what to do (these were an
+    AttributeError, a TypeError from inside the tokenizer, or accepted)."""
+    llm = LLM(str(tiny), num_kv_blocks=64)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        call(llm)
+    assert not llm.llm_engine.has_unfinished_requests()

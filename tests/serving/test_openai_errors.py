@@ -66,6 +66,57 @@ def test_400_bad_parameters(client: openai.OpenAI, kwargs: dict, param: str) -> 
     assert e.value.status_code == 400 and param in e.value.body["message"]
 
 
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
+    ({"response_format": {"type": "json_object"}}, "structured output"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool calls"),
+    ({"logit_bias": {"5": 10}}, "logit_bias is not supported"),
+])
+def test_400_unsupported(client: openai.OpenAI, kwargs: dict, needle: str) -> None:
+    """Fields lightinfer does not implement are refused, not ignored."""
+    kwargs = {"messages": MSG, **kwargs}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, **kwargs)
+    assert needle in e.value.body["message"]
+    assert client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, response_format={"type": "text"},
+                                          tools=[], logit_bias={}).choices  # the neutral values are fine
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"suffix": "tail"}, "suffix (insertion) is not supported"),
+    ({"best_of": 3}, "best_of"),
+])
+def test_400_completions_unsupported(client: openai.OpenAI, kwargs: dict, needle: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, **{"prompt": "x", **kwargs})
+    assert needle in e.value.body["message"]
+
+
+@pytest.mark.parametrize("path, field", [
+    ("chat/completions", '"messages": [{"role": "user", "content": "a\\ud800b"}]'),
+    ("chat/completions", '"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]'),
+    ("chat/completions", '"messages": [{"role": "user", "content": "hi"}], "stop": ["ok", "\\ud800"]'),
+    ("completions", '"prompt": "a\\ud800b"'),
+    ("completions", '"prompt": ["fine", "\\ud800"]'),
+])
+def test_400_lone_surrogate(fake_server: LiveServer, path: str, field: str) -> None:
+    """A JSON \\u escape of a lone UTF-16 surrogate is valid JSON but not Unicode text: a 400 naming the field
+    (it was a 500 from inside the tokenizer). The official client cannot even send one; curl can."""
+    h = {"Authorization": "Bearer test-key", "Content-Type": "application/json"}
+    body = '{"model": "' + MODEL + '", ' + field + "}"
+    r = httpx.post(f"{fake_server.url}/v1/{path}", content=body.encode(), headers=h)
+    assert r.status_code == 400 and "not valid Unicode" in r.json()["error"]["message"], r.text
+
+
+def test_400_body_not_an_object_or_not_finite(fake_server: LiveServer) -> None:
+    h = {"Authorization": "Bearer test-key", "Content-Type": "application/json"}
+    r = httpx.post(f"{fake_server.url}/v1/chat/completions", content=b"[1, 2]", headers=h)
+    assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"]
+    body = b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}' % MODEL.encode()
+    r = httpx.post(f"{fake_server.url}/v1/chat/completions", content=body, headers=h)
+    assert r.status_code == 400 and "finite number" in r.json()["error"]["message"]
+
+
 def test_400_prompt_longer_than_context(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x" * 600}])
@@ -165,3 +216,9 @@ def test_client_disconnect_aborts(stream: bool) -> None:
         assert stats["num_generation_tokens"] < 300
     finally:
         live.stop()
+
+
+def test_400_json_without_content_type(fake_server: LiveServer) -> None:
+    r = httpx.post(f"{fake_server.url}/v1/chat/completions", headers={"Authorization": "Bearer test-key"},
+                   content=('{"model": "' + MODEL + '", "messages": [{"role": "user", "content": "hi"}]}').encode())
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
