@@ -48,9 +48,9 @@ class StreamOptions(BaseModel):
 UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "response_format": ("structured output (JSON mode / JSON schema)", (None, {"type": "text"})),
     "tools": ("tool calls", (None, [])),
-    "tool_choice": ("tool calls", (None, "none")),
+    "tool_choice": ("tool calls", (None, "none", "auto")),  # "auto" with no tools asks for nothing
     "functions": ("function calls", (None, [])),
-    "function_call": ("function calls", (None, "none")),
+    "function_call": ("function calls", (None, "none", "auto")),
     "logit_bias": ("logit_bias", (None, {})),
     "suffix": ("suffix (insertion)", (None, "")),
 }
