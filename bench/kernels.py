@@ -62,7 +62,9 @@ def bench_us(fn: Callable[[], Any], quick: bool, calls: int = 1) -> float:
 
     try:
         t = triton.testing.do_bench_cudagraph(fn, rep=20 if quick else 100, return_mode="median")
-    except Exception:  # noqa: BLE001 - capture failed (e.g. a host sync): fall back to eager timing
+    except Exception as e:  # noqa: BLE001 - capture failed (e.g. a host sync): fall back to eager timing
+        print(f"warning: CUDA-graph timing failed ({str(e).splitlines()[0][:160]}); timing eagerly (launch "
+              f"overhead included)", file=sys.stderr, flush=True)
         t = triton.testing.do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100, return_mode="median")
     return float(t) * 1e3 / calls
 
@@ -224,8 +226,8 @@ def bench_attention(quick: bool) -> list[dict[str, Any]]:
 def bench_decode_chain(quick: bool, num_layers: int = 32) -> dict[str, Any]:
     """A batch-1 decode step of the Llama-2-7B shape without attention (per layer: the qkv GEMM and its split-K reduction, a copy standing in for attention, the o GEMM and
     fused add + RMSNorm on its partials, gate/up GEMM, SiLU-mul on its partials, the down GEMM and fused add +
-    RMSNorm: 6-7 kernels), replayed as one CUDA graph with programmatic dependent launch off and on
-    (``kernels/pdl.py``). Every layer has its own weights (3.3 GB in all), so nothing is served from the L2."""
+    RMSNorm: 6-7 kernels), replayed as one CUDA graph three ways: programmatic dependent launch off, on,
+    and on with the W4 GEMMs' L2 prefetch (``kernels/pdl.py``). Every layer has its own weights (3.3 GB in all), so nothing is served from the L2."""
     from lightinfer.kernels import norm_rope as nr
     from lightinfer.kernels import pdl
     from lightinfer.kernels import w4a16_gemm as wg
@@ -256,17 +258,20 @@ def bench_decode_chain(quick: bool, num_layers: int = 32) -> dict[str, Any]:
     out: dict[str, Any] = {"layers": num_layers, "weight_bytes": weight_bytes}
     saved = os.environ.get(pdl.ENV_VAR)
     try:
-        for flag, key in (("0", "plain"), ("1", "pdl")):
-            os.environ[pdl.ENV_VAR] = flag  # read at every launch, so at graph capture too
-            if flag == "1":
-                out["pdl_enabled"] = pdl.pdl_enabled(torch.device("cuda"))  # False before sm_90: then both are plain
+        for flag, prefetch, key in (("0", "0", "plain"), ("1", "0", "pdl"), ("1", "1", "pdl_prefetch")):
+            os.environ[pdl.ENV_VAR], os.environ[pdl.PREFETCH_ENV_VAR] = flag, prefetch  # read at every launch
+            if key == "pdl":
+                out["pdl_enabled"] = pdl.pdl_enabled(torch.device("cuda"))  # False before sm_90: then all are plain
             out[f"{key}_us"] = bench_us(step, quick)
             out[f"{key}_GBps"] = weight_bytes / out[f"{key}_us"] / 1e3
     finally:
         os.environ.pop(pdl.ENV_VAR) if saved is None else os.environ.__setitem__(pdl.ENV_VAR, saved)
+        os.environ.pop(pdl.PREFETCH_ENV_VAR, None)
     out["pdl_speedup"] = out["plain_us"] / out["pdl_us"]
+    out["pdl_prefetch_speedup"] = out["plain_us"] / out["pdl_prefetch_us"]
     print(f"decode chain ({num_layers} layers, no attention): plain {out['plain_us']:.0f} us "
-          f"({out['plain_GBps']:.0f} GB/s of weights), PDL {out['pdl_us']:.0f} us: x{out['pdl_speedup']:.3f}", flush=True)
+          f"({out['plain_GBps']:.0f} GB/s of weights); PDL x{out['pdl_speedup']:.3f}; PDL + L2 prefetch "
+          f"x{out['pdl_prefetch_speedup']:.3f}", flush=True)
     return out
 
 

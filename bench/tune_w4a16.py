@@ -214,30 +214,6 @@ def graph_us(fn: Callable[[], Any], calls: int, target_ms: float = 2.0, rounds: 
     return sorted(times)[len(times) // 2]
 
 
-def check_pdl_capture() -> bool:
-    """Whether kernels launch with programmatic dependent launch here, after checking that a CUDA graph of such
-    launches can be captured: if it cannot (an older driver), PDL is turned off for this process, as the engine
-    does when its capture fails, so that the tuning matches what the engine will run."""
-    from lightinfer.kernels import pdl
-    from lightinfer.kernels import w4a16_gemm as wg
-
-    device = torch.device("cuda")
-    if not pdl.pdl_enabled(device):
-        return False
-    qweight = torch.zeros(256, 32, dtype=torch.int32, device=device)
-    scales = torch.ones(2, 256, dtype=torch.float16, device=device)
-    x = torch.randn(1, 256, dtype=torch.float16, device=device)
-    try:
-        graph_us(lambda: wg.w4a16_gemm(x, qweight, scales, scales), 1, target_ms=0.1, rounds=1)
-    except RuntimeError as e:
-        print(f"warning: a CUDA graph of PDL launches could not be captured ({str(e).splitlines()[0][:200]}); "
-              f"tuning with {pdl.ENV_VAR}=0, as the engine will run", file=sys.stderr, flush=True)
-        os.environ[pdl.ENV_VAR] = "0"
-        torch.cuda.synchronize()
-        return False
-    return True
-
-
 def tune_shape_m(
     k: int, n: int, m: int, group_size: int, quick: bool, log: Callable[[str], None],
     device: str = "cuda", timer: Callable[[Callable[[], Any], bool], float] | None = None,
@@ -351,8 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name()
     out = args.out or wt.device_file(device)
     done = read_entries_file(out).get("entries", {}) if args.skip_done else {}
-    pdl_on = check_pdl_capture()
-    header = {"device": device, "triton": triton.__version__, "torch": torch.__version__, "pdl": pdl_on,
+    from lightinfer.kernels import pdl
+
+    header = {"device": device, "triton": triton.__version__, "torch": torch.__version__,
+              "pdl": pdl.pdl_enabled(torch.device("cuda")), "pdl_prefetch": pdl.prefetch_enabled(torch.device("cuda")),
               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "group_size_tuned": args.group_size,
               "timing": "CUDA-graph replay (bench/kernels.py bench_us), median, weights rotated past the L2"}
     t0 = time.monotonic()

@@ -11,7 +11,9 @@ to its launch: each program first lets the *next* kernel's programs launch, then
 kernel to complete. Nothing is read or written before that wait, so reuse of a freed buffer by the
 caching allocator, reads of outputs two kernels back (each kernel completes only after the one before it)
 and kernels of other libraries in between (launched without PDL: ordinary stream order) all stay as safe
-as without it. ``LIGHTINFER_PDL=0`` turns it off; it is off on older GPUs and on the CPU interpreter.
+as without it. ``LIGHTINFER_PDL=0`` turns it off; it is off on older GPUs, older drivers (graph capture of
+these launches needs CUDA 12.3) and on the CPU interpreter. The W4 GEMMs prefetch the first K steps of
+their weights into L2 before the wait (``LIGHTINFER_PDL_PREFETCH=0`` turns that alone off).
 
 Source: CUDA Programming Guide, "Programmatic Dependent Launch and Synchronization"; PTX ISA,
 ``griddepcontrol``.
@@ -34,6 +36,7 @@ import triton.language as tl
 from ._common import interpreting
 
 ENV_VAR = "LIGHTINFER_PDL"
+PREFETCH_ENV_VAR = "LIGHTINFER_PDL_PREFETCH"
 
 
 @triton.jit
@@ -45,21 +48,60 @@ def pdl_start(USE_PDL: tl.constexpr = False):
         tl.extra.cuda.gdc_wait()
 
 
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 to fetch the 128-byte lines holding ``ptrs`` (a tensor of global addresses; no registers, no
+    wait). Only for memory no kernel writes (weights): it may run before :func:`pdl_start`'s wait."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+def driver_version() -> int | None:
+    """The CUDA driver's version (``cuDriverGetVersion``: 12030 for 12.3), or None where libcuda cannot be
+    asked."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        lib = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+    except OSError:
+        name = ctypes.util.find_library("cuda")
+        if name is None:
+            return None
+        lib = ctypes.CDLL(name)
+    version = ctypes.c_int(0)
+    return int(version.value) if lib.cuDriverGetVersion(ctypes.byref(version)) == 0 else None
+
+
+# Stream capture turns PDL launches into programmatic graph edges from CUDA 12.3 (the decode steps are graphs).
+MIN_DRIVER = 12030
+
+
 @functools.cache
 def _supported(index: int) -> bool:
     try:
         from triton.language.extra import cuda as tl_cuda
     except ImportError:  # a Triton build without the CUDA extras
         return False
-    return torch.cuda.get_device_capability(index)[0] >= 9 and hasattr(tl_cuda, "gdc_wait")
+    if torch.cuda.get_device_capability(index)[0] < 9 or not hasattr(tl_cuda, "gdc_wait"):
+        return False
+    version = driver_version()
+    return version is not None and version >= MIN_DRIVER
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch with PDL: a CUDA GPU of compute capability 9.0 or later, Triton
-    with ``griddepcontrol`` support, not the interpreter, and ``LIGHTINFER_PDL`` not ``0``."""
+    """Whether kernels on ``device`` launch with PDL: a CUDA GPU of compute capability 9.0 or later, a driver
+    of CUDA 12.3 or later, Triton with ``griddepcontrol`` support, not the interpreter, and ``LIGHTINFER_PDL``
+    not ``0``."""
     if device.type != "cuda" or interpreting() or os.environ.get(ENV_VAR, "1") == "0":
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def prefetch_enabled(device: torch.device) -> bool:
+    """Whether the W4 GEMMs prefetch the first K steps of their weights into L2 before the wait: with PDL on,
+    unless ``LIGHTINFER_PDL_PREFETCH=0`` (so one GPU run can time PDL with and without it)."""
+    return pdl_enabled(device) and os.environ.get(PREFETCH_ENV_VAR, "1") != "0"
 
 
 def pdl_launch(device: torch.device) -> dict[str, Any]:
@@ -70,7 +112,7 @@ def pdl_launch(device: torch.device) -> dict[str, Any]:
 
 # Global-memory instructions in SASS: none may come before the wait (ACQBULK) in a PDL kernel. (L2 prefetches,
 # CCTL.E.PF2, read nothing into the program and touch only weights, which no kernel writes.)
-_GLOBAL_MEMORY = re.compile(r"\b(LDG|STG|LDGSTS|ATOMG|RED|UBLKCP|UTMALDG|UTMASTG)\b")
+_GLOBAL_MEMORY = re.compile(r"\b(LDG|STG|LDGSTS|LD|ST|ATOMG|ATOM|RED|UBLKCP|UTMALDG|UTMASTG)\b")
 
 
 def wait_order(arch: int = 90) -> list[dict[str, Any]]:
@@ -95,8 +137,9 @@ def wait_order(arch: int = 90) -> list[dict[str, Any]]:
         if kernel in seen:
             continue
         seen.add(kernel)
-        spec = dataclasses.replace(spec, signature={**spec.signature, "USE_PDL": "constexpr"},
-                                   constexprs={**spec.constexprs, "USE_PDL": True})
+        flags = {name: True for name in ("USE_PDL", "PREFETCH") if name in spec.kernel.arg_names}
+        spec = dataclasses.replace(spec, signature={**spec.signature, **dict.fromkeys(flags, "constexpr")},
+                                   constexprs={**spec.constexprs, **flags})
         lines = [line.split("\t")[-1].strip() for line in get_sass(compile_spec(spec, arch).asm["cubin"]).splitlines()]
         first_wait = next((i for i, op in enumerate(lines) if op.startswith("ACQBULK")), None)
         first_memory = next((i for i, op in enumerate(lines) if _GLOBAL_MEMORY.search(op)), None)
@@ -104,7 +147,8 @@ def wait_order(arch: int = 90) -> list[dict[str, Any]]:
                      "releases": any(op.startswith("PREEXIT") for op in lines),
                      "wait_before_memory": first_wait is not None and (first_memory is None or first_wait < first_memory),
                      # L2 prefetches of weights (CCTL.E.PF2), the one thing allowed before the wait
-                     "prefetches_before_wait": sum(op.startswith("CCTL") for op in lines[:first_wait or 0])})
+                     "prefetches_before_wait": sum(bool(re.match(r"(@!?P\w+\s+)?CCTL", op))
+                                                   for op in lines[:first_wait or 0])})
     return rows
 
 
@@ -121,10 +165,3 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 to fetch the 128-byte lines holding ``ptrs`` (a tensor of global addresses; no registers, no
-    wait). Only for memory no kernel writes (weights): it may run before :func:`pdl_start`'s wait."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)

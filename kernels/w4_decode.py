@@ -84,15 +84,18 @@ def prefetch_weight_rows(qw_ptr, offs_n, N, stride_qn, w_start, w_end):
 
 @triton.jit
 def k_split_begin(qw_ptr, s_ptr, z_ptr, offs_n, n_mask, N, stride_qn, stride_sg, pid_k, num_k_steps, steps_per_split,
-                  GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                  GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """Start of a W4 GEMM program's K loop: its steps ``[t_start, t_end)`` of ``BLOCK_K`` (a divisor of the
-    group size), and the first step's scales and zeros, loaded ahead (:func:`k_step_scales`). Under PDL the
-    program's weight slice is prefetched into L2 first, then :func:`.pdl.pdl_start` waits: every load here
-    and after it follows the wait. Returns ``(t_start, t_end, s_next, z_next)``."""
+    group size), and the first step's scales and zeros, loaded ahead (:func:`k_step_scales`). With
+    ``PREFETCH`` (under PDL) the program's first two K steps of weights are asked of L2 first: what the
+    software pipeline would otherwise wait for at the start, and little enough (a few MB over a whole grid)
+    not to evict what the kernel before it is still reading. Then :func:`.pdl.pdl_start` waits: every load
+    here and after it follows the wait. Returns ``(t_start, t_end, s_next, z_next)``."""
     t_start = pid_k * steps_per_split
     t_end = tl.minimum(t_start + steps_per_split, num_k_steps)  # the launchers never make an empty split
-    if USE_PDL:
-        prefetch_weight_rows(qw_ptr, offs_n, N, stride_qn, t_start * (BLOCK_K // 8), t_end * (BLOCK_K // 8))
+    if PREFETCH:
+        prefetch_weight_rows(qw_ptr, offs_n, N, stride_qn, t_start * (BLOCK_K // 8),
+                             tl.minimum(t_end, t_start + 2) * (BLOCK_K // 8))
     pdl_start(USE_PDL)
     STEPS_PER_GROUP: tl.constexpr = GROUP_SIZE // BLOCK_K  # (t * BLOCK_K) // GROUP_SIZE costs an SGXT
     s_next = tl.load(s_ptr + (t_start // STEPS_PER_GROUP) * stride_sg + offs_n, mask=n_mask, other=0.0)

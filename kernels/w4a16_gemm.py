@@ -46,7 +46,7 @@ from ._common import (
     num_sms,
     upcast_dot,
 )
-from .pdl import pdl_launch, pdl_start
+from .pdl import pdl_launch, pdl_start, prefetch_enabled
 from .w4_decode import (
     NIBBLE_MASK,
     k_split_begin,
@@ -175,7 +175,7 @@ def _w4a16_gemv_kernel(
     M, N, stride_xm, stride_qn, stride_sg, stride_ym, stride_ys, num_groups, groups_per_split, nibble_mask,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
     # Works on the packed words themselves, one nibble position at a time: no unpacked
     # [BLOCK_N, GROUP_SIZE] tile, and each (row, word) accumulates its 8 products in one FFMA
@@ -197,7 +197,8 @@ def _w4a16_gemv_kernel(
     n_mask = offs_n < N
     # A K step is one group here (BLOCK_K = GROUP_SIZE).
     g_start, g_end, s_next, z_next = k_split_begin(qw_ptr, s_ptr, z_ptr, offs_n, n_mask, N, stride_qn, stride_sg, pid_k,
-                                                   num_groups, groups_per_split, GROUP_SIZE, GROUP_SIZE, USE_PDL)
+                                                   num_groups, groups_per_split, GROUP_SIZE, GROUP_SIZE, USE_PDL,
+                                                   PREFETCH)
     offs_w = tl.arange(0, WORDS)
     offs_i = tl.arange(0, 8)
     offs_m = tl.arange(0, BLOCK_M)
@@ -458,7 +459,7 @@ def w4a16_gemm_path(
                       device=x.device)
     bias_arg = bias if bias is not None else x  # unused pointer of the dtype a bias would have
     common = {"HAS_BIAS": bias is not None, "SPLIT": split > 1, "num_warps": launch.num_warps,
-              "num_stages": launch.num_stages, **pdl_launch(x.device)}
+              "num_stages": launch.num_stages, "PREFETCH": prefetch_enabled(x.device), **pdl_launch(x.device)}
     if launch.path == "gemv":
         _w4a16_gemv_kernel[(grid_mn[1], split)](
             x, qweight, scales, zeros, bias_arg, out, m, n, x.stride(0), qweight.stride(0), scales.stride(0),

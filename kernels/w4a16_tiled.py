@@ -31,7 +31,7 @@ def w4a16_tiled_kernel(
     M, N, stride_xm, stride_qn, stride_sg, stride_ym, stride_ys, num_k_steps, steps_per_split, nibble_mask,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr, SWAP_AB: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
     # Grid (M tiles, N tiles, splits); swapped, (N tiles, M tiles, splits): weight tiles vary fastest, so
     # programs running together share x.
@@ -49,7 +49,8 @@ def w4a16_tiled_kernel(
     m_mask = offs_m < M
     n_mask = offs_n < N
     t_start, t_end, s_next, z_next = k_split_begin(qw_ptr, s_ptr, z_ptr, offs_n, n_mask, N, stride_qn, stride_sg, pid_k,
-                                                   num_k_steps, steps_per_split, GROUP_SIZE, BLOCK_K, USE_PDL)
+                                                   num_k_steps, steps_per_split, GROUP_SIZE, BLOCK_K, USE_PDL,
+                                                   PREFETCH)
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y^T tile
     else:

@@ -20,7 +20,6 @@ path runs the model eagerly (CPU tests of the padding, filling and slicing logic
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -224,24 +223,6 @@ class DecodeGraphRunner:
         """
         if not self.use_cuda_graphs:
             return
-        try:
-            self._capture_all()
-        except RuntimeError as e:
-            from lightinfer.kernels import pdl  # CUDA only: Triton is there
-
-            if not pdl.pdl_enabled(self.device):
-                raise
-            # Graph capture of programmatic dependent launches needs CUDA >= 12.3 drivers; rather than
-            # fail the engine, capture plain launches (slower by the kernel gaps PDL hides).
-            logger.warning("CUDA graph capture failed with programmatic dependent launch on (%s); capturing again "
-                           "with it off (%s=0)", str(e).splitlines()[0][:200], pdl.ENV_VAR)
-            os.environ[pdl.ENV_VAR] = "0"
-            self.graphs.clear()
-            torch.cuda.synchronize(self.device)
-            self._capture_all()
-
-    def _capture_all(self) -> None:
-        """:meth:`capture`'s work: warm every size up eagerly, then capture it."""
         self._pad_all_rows()  # the warm-up runs write nothing into the KV cache (slot -1)
         start = time.perf_counter()
         for bs in reversed(self.batch_sizes):

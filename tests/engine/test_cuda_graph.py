@@ -7,8 +7,6 @@ covered by ``tests/gpu/test_engine_gpu.py``.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch import nn
@@ -171,33 +169,3 @@ def test_static_buffer_path_with_host_embedding(tmp_path) -> None:
     ids = [5, 0, 271, 5]
     assert torch.equal(embed.lookup(ids, torch.device("cpu")), embed(torch.tensor(ids)))
 
-
-@pytest.mark.parametrize("pdl_on", [True, False])
-def test_capture_retries_without_pdl(monkeypatch, caplog, pdl_on: bool) -> None:
-    """A capture that fails with programmatic dependent launch on is retried once with it off (LIGHTINFER_PDL=0);
-    with PDL already off the failure goes up (to the model runner's eager fallback)."""
-    import logging
-
-    from lightinfer.kernels import pdl
-
-    runner, _ = _runner()
-    runner.use_cuda_graphs = True
-    calls: list[str | None] = []
-
-    def capture_all() -> None:
-        calls.append(os.environ.get(pdl.ENV_VAR))
-        if len(calls) == 1:
-            raise RuntimeError("CUDA error: operation not supported when stream is capturing")
-
-    monkeypatch.setattr(runner, "_capture_all", capture_all)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(pdl, "pdl_enabled", lambda device: pdl_on and os.environ.get(pdl.ENV_VAR) != "0")
-    monkeypatch.setenv(pdl.ENV_VAR, "1")  # also makes monkeypatch restore the variable after the retry's write
-    if not pdl_on:
-        with pytest.raises(RuntimeError, match="not supported"):
-            runner.capture()
-        assert calls == ["1"]
-        return
-    with caplog.at_level(logging.WARNING, logger="lightinfer"):
-        runner.capture()
-    assert calls == ["1", "0"] and "capturing again with it off (LIGHTINFER_PDL=0)" in caplog.text

@@ -18,8 +18,9 @@ def gpu(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.delenv(pdl.ENV_VAR, raising=False)
 
-    def set_capability(cap: tuple[int, int]) -> torch.device:
+    def set_capability(cap: tuple[int, int], driver: int | None = 13000) -> torch.device:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+        monkeypatch.setattr(pdl, "driver_version", lambda: driver)
         pdl._supported.cache_clear()
         return torch.device("cuda", 0)
 
@@ -32,6 +33,26 @@ def test_pdl_is_on_from_hopper(gpu, cap: tuple[int, int], on: bool) -> None:
     device = gpu(cap)
     assert pdl.pdl_enabled(device) is on
     assert pdl.pdl_launch(device) == ({"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False})
+
+
+@pytest.mark.parametrize("driver,on", [(12030, True), (12020, False), (None, False)])
+def test_pdl_needs_a_driver_that_captures_it_in_graphs(gpu, driver: int | None, on: bool) -> None:
+    assert pdl.pdl_enabled(gpu((9, 0), driver)) is on
+
+
+def test_prefetch_follows_pdl_and_its_own_switch(gpu, monkeypatch: pytest.MonkeyPatch) -> None:
+    device = gpu((9, 0))
+    assert pdl.prefetch_enabled(device)
+    monkeypatch.setenv(pdl.PREFETCH_ENV_VAR, "0")
+    assert not pdl.prefetch_enabled(device) and pdl.pdl_enabled(device)
+    monkeypatch.setenv(pdl.PREFETCH_ENV_VAR, "1")
+    monkeypatch.setenv(pdl.ENV_VAR, "0")
+    assert not pdl.prefetch_enabled(device)
+
+
+def test_driver_version_is_none_or_plausible() -> None:
+    version = pdl.driver_version()  # None on this CPU machine (no libcuda); a real number on a GPU machine
+    assert version is None or 9000 <= version < 100000
 
 
 def test_pdl_off_on_cpu_interpreter_and_by_request(gpu, monkeypatch: pytest.MonkeyPatch) -> None:
