@@ -271,7 +271,8 @@ def create_openai_app(engine: AsyncLLMEngine, served_model_name: str, api_key: s
         if not loc:  # valid JSON, but not an object (a list, a number)
             return _error_response(OpenAIError(400, f"the request body must be a JSON object, got a JSON "
                                                     f"{type(raw).__name__}"))
-        msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: {e.get('msg')}"
+        msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: "
+                        f"{str(e.get('msg', '')).removeprefix('Value error, ')}"  # pydantic's prefix to our checks
                         for e in exc.errors()[:5])
         return _error_response(OpenAIError(400, msg or "invalid request", param=loc or None))
 
