@@ -25,6 +25,7 @@ Needs a CUDA GPU (exits with status 2 without one).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import itertools
 import json
@@ -176,6 +177,7 @@ def tune_one(
             "rejected": rejected}
 
 
+@functools.cache  # once per process: every (shape, M) pair uses bench/kernels.py's timing
 def _load_sibling(name: str) -> Any:
     spec = importlib.util.spec_from_file_location(f"_bench_{name}", Path(__file__).with_name(f"{name}.py"))
     assert spec is not None and spec.loader is not None

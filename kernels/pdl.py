@@ -101,13 +101,18 @@ def pdl_enabled(device: torch.device) -> bool:
 def prefetch_enabled(device: torch.device) -> bool:
     """Whether the W4 GEMMs prefetch the first K steps of their weights into L2 before the wait: with PDL on,
     unless ``LIGHTINFER_PDL_PREFETCH=0`` (so one GPU run can time PDL with and without it)."""
-    return pdl_enabled(device) and os.environ.get(PREFETCH_ENV_VAR, "1") != "0"
+    return pdl_launch(device, prefetch=True)["PREFETCH"]
 
 
-def pdl_launch(device: torch.device) -> dict[str, Any]:
+def pdl_launch(device: torch.device, prefetch: bool = False) -> dict[str, Any]:
     """Keyword arguments for a kernel launch on ``device``: the kernel's ``USE_PDL`` constexpr, and the
-    ``launch_pdl`` launch option when PDL is on."""
-    return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"USE_PDL": False}
+    ``launch_pdl`` launch option when PDL is on; with ``prefetch`` (the W4 GEMMs) also their ``PREFETCH``
+    constexpr (:func:`prefetch_enabled`), from the same decision."""
+    on = pdl_enabled(device)
+    kwargs: dict[str, Any] = {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
+    if prefetch:
+        kwargs["PREFETCH"] = on and os.environ.get(PREFETCH_ENV_VAR, "1") != "0"
+    return kwargs
 
 
 # Global-memory instructions in SASS: none may come before the wait (ACQBULK) in a PDL kernel. (L2 prefetches,

@@ -73,9 +73,9 @@ def nibble_minus_zero(src, mask, c, BIT: tl.constexpr):
 @triton.jit
 def prefetch_weight_rows(qw_ptr, offs_n, N, stride_qn, w_start, w_end):
     """Pull words ``[w_start, w_end)`` of weight rows ``offs_n`` into L2 (one prefetch per 128-byte line and
-    row; no registers, no wait). Called before :func:`pdl_start`'s wait under programmatic dependent launch:
-    weights are never written, so a program launched early streams its slice of them while the previous
-    kernel (a norm, the attention) is still running, and its loop then reads them from L2."""
+    row; no registers, no wait). Called before :func:`.pdl.pdl_start`'s wait under programmatic dependent
+    launch: weights are never written, so a program launched early fetches the words it reads first while
+    the previous kernel (a norm, the attention) is still running (:func:`k_split_begin` says how many)."""
     base = qw_ptr + tl.minimum(offs_n, N - 1) * stride_qn + w_start
     for w in range(0, w_end - w_start, 32):
         prefetch_l2(base + w)
@@ -119,7 +119,7 @@ def k_step_scales(s_ptr, z_ptr, s_next, z_next, t, t_end, offs_n, n_mask, stride
 
 @triton.jit
 def store_output(acc, bias_ptr, y_ptr, offs_m, offs_n, y_mask, n_mask, pid_k, stride_ym, stride_ys,
-                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
     """``acc [BLOCK_M, BLOCK_N]`` fp32 -> ``y`` (+ bias, in y's dtype), or, split-K, this split's fp32 slice of
     the ``[split, M, N]`` workspace (bias and cast left to the split-K reduction)."""
     if SPLIT:

@@ -6,10 +6,10 @@ Weights are in the run-time layout of :mod:`lightinfer.kernels.reference`::
     scales  [K // G, N], zeros [K // G, N] (integer zero point as a float)
     w[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]
 
-Three paths. On a GPU model with a tuned file (``kernels/configs/w4a16_<device>.json``, written by
+Four paths. On a GPU model with a tuned file (``kernels/configs/w4a16_<device>.json``, written by
 ``bench/tune_w4a16.py``, read by :mod:`.w4a16_tuning`) the path, tile, pipeline depth and split-K of each
 weight shape and M are the ones measured fastest there; otherwise they are the built-in choices below,
-picked by M (``GEMV_MAX_M`` / ``TILED_MAX_M``):
+picked by M (``GEMV_MAX_M`` / ``TILED_MAX_M``; ``swap_ab`` only from a tuned file or when forced):
 
 * ``gemv``   (decode, M tiny): memory-bound. Each program owns ``BLOCK_N`` output rows and a
   slice of the K groups (split-K). It works on the packed words one nibble position at a time:
@@ -18,6 +18,8 @@ picked by M (``GEMV_MAX_M`` / ``TILED_MAX_M``):
 * ``tiled``  (M up to a few hundred): tensor cores. ``[BLOCK_N, BLOCK_K]`` weight tiles are
   dequantized in registers and fed to ``tl.dot`` with fp32 accumulation; split-K when the
   M x N grid alone would leave SMs idle.
+* ``swap_ab`` (small M on Hopper): the same tensor-core kernel with the operands swapped, the weight tile
+  as the MMA's A operand (from registers) and the tokens as its N (:mod:`.w4a16_tiled`).
 * ``dequant`` (large M, compute-bound): dequantize W once into a dense ``[N, K]`` tensor with a
   Triton kernel and hand the GEMM to torch (cuBLAS).
 
@@ -46,7 +48,7 @@ from ._common import (
     num_sms,
     upcast_dot,
 )
-from .pdl import pdl_launch, pdl_start, prefetch_enabled
+from .pdl import pdl_launch, pdl_start
 from .w4_decode import (
     NIBBLE_MASK,
     k_split_begin,
@@ -60,7 +62,8 @@ from .w4a16_tiled import w4a16_tiled_kernel
 from .w4a16_tuning import W4Launch, check_launch, tuned_launch
 
 # ----------------------------------------------------------------------------- crossovers
-# The built-in choices: what runs where no tuned file (w4a16_tuning) covers the GPU and shape. PROVISIONAL: read off one H200 run of bench/kernels.py (bench/results/kernels.json: gemv_us /
+# The built-in choices: what runs where no tuned file (w4a16_tuning) covers the GPU and shape.
+# PROVISIONAL: read off one H200 run of bench/kernels.py (bench/results/kernels.json: gemv_us /
 # tiled_us / dequant_us per shape and M, CUDA-graph timed). GEMV beat tiled at M <= 2 on all 8 Llama
 # shapes; tiled beat dequant+cuBLAS at M=64 on 6 of 8 and at M=128 on 2 of 8. Re-measure on a
 # consumer card (sm_86/89) and whenever a kernel changes.
@@ -101,8 +104,8 @@ class TiledConfig:
 
 
 # BLOCK_N x G = 8K weights per program and step whatever G is (64 per thread at 4 warps). Larger tiles
-# need fewer instructions per weight but more registers and fewer programs: bench/kernels.py's
-# bench/tune_w4a16.py times the choices per shape (not yet run on a GPU for the current kernel). At M=1 the tile
+# need fewer instructions per weight but more registers and fewer programs: bench/tune_w4a16.py times
+# the choices per shape (not yet run on a GPU for the current kernel). At M=1 the tile
 # is twice as tall (16K weights per step): x is converted once per step and reused by twice the rows
 # (sm_90 loop with Triton 3.6, G=128 / 64 / 32: 5.61 / 5.34 / 5.50 -> 4.61 / 4.66 / 4.68 instructions
 # per weight; with 3.9: 4.81 / 5.61 / 5.88 -> 4.26 / 4.83 / 4.73; 96-128 registers, no spills on
@@ -230,7 +233,7 @@ def _w4a16_gemv_kernel(
             part = s * tl.sum(t, axis=1)  # [BLOCK_N]
             acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
     store_output(acc, bias_ptr, y_ptr, offs_m, offs_n, (offs_m[:, None] < M) & n_mask[None, :], n_mask, pid_k,
-                  stride_ym, stride_ys, HAS_BIAS, SPLIT)
+                 stride_ym, stride_ys, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -459,7 +462,7 @@ def w4a16_gemm_path(
                       device=x.device)
     bias_arg = bias if bias is not None else x  # unused pointer of the dtype a bias would have
     common = {"HAS_BIAS": bias is not None, "SPLIT": split > 1, "num_warps": launch.num_warps,
-              "num_stages": launch.num_stages, "PREFETCH": prefetch_enabled(x.device), **pdl_launch(x.device)}
+              "num_stages": launch.num_stages, **pdl_launch(x.device, prefetch=True)}
     if launch.path == "gemv":
         _w4a16_gemv_kernel[(grid_mn[1], split)](
             x, qweight, scales, zeros, bias_arg, out, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
