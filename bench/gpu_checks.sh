@@ -10,7 +10,7 @@
 #                                     # and the PDL decode chain (extra arguments go to it, e.g. --skip attn)
 #   bash bench/gpu_checks.sh tune     # bench/tune_w4a16.py: the W4A16 launch per shape and M on this GPU, written
 #                                     # to kernels/configs/w4a16_<device>.json and $OUT after every pair; starts
-#                                     # no new pair after --budget-s (default 420 s; a full run is ~10 min:
+#                                     # no new pair after --budget-s (default 420 s; a full run is ~11 min:
 #                                     # copy the returned file into kernels/configs/ and call again with
 #                                     # --skip-done). Extra arguments go to it, e.g. --budget-s 240 --m 1 2 4 8 16.
 #                                     # Commit the file.

@@ -11,7 +11,7 @@ winners go to ``kernels/configs/w4a16_<device>.json`` (merged into what the file
 Work goes M by M (decode sizes first) across all shapes, and stops starting new ones past ``--budget-s``:
 a cut-short run still writes a valid file (written atomically after every pair; M values above the largest
 tuned one keep the built-in launch), and a second run fills in the rest (``--skip-done``). A full run of
-the two default models is ~400 kernel compiles (~1 s each) and ~4,000 short timings, about 10 minutes:
+the two default models is ~440 kernel compiles (~1 s each) and ~4,300 short timings, about 11 minutes:
 on a device with 10-minute calls, copy the file a call returned into ``kernels/configs/`` and call again
 with ``--skip-done``.
 Timing replays CUDA graphs over weight copies that rotate past the L2: a short :func:`graph_us` in the
@@ -108,8 +108,10 @@ def candidates(path: str, m: int, group_size: int) -> list[Any]:
 
 
 def paths_for(m: int) -> list[str]:
-    """The paths worth timing at ``m`` rows (the GEMV's FFMA work grows with M; dequant only pays at large M)."""
-    return [p for p, ok in (("gemv", m <= 8), ("tiled", m >= 2), ("swap_ab", 2 <= m <= 1024), ("dequant", m >= 32)) if ok]
+    """The paths worth timing at ``m`` rows (the GEMV's FFMA work grows with M; dequant only pays at large M). The
+    tensor-core paths run at M=1 too: a 16-token tile wastes tensor-core work, not memory traffic, and with the fp16
+    pair decode it issues fewer instructions per weight than the GEMV (``kernels/sass_stats.py``)."""
+    return [p for p, ok in (("gemv", m <= 8), ("tiled", True), ("swap_ab", m <= 1024), ("dequant", m >= 32)) if ok]
 
 
 def _variants(best: Any) -> list[Any]:

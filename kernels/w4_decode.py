@@ -7,6 +7,12 @@ A nibble at bit ``p`` of an int32 word, masked in place and OR-ed with the float
 So decoding a weight costs one LOP3 and one FADD: no shift, bit-field extract or int->float
 conversion. The float mantissa has 23 bits, so nibbles 0-4 are read in place and 5-7 after one
 shift of the word by 12. ``python -m lightinfer.kernels.sass_stats`` counts the result.
+
+The tensor-core kernels with fp16 activations decode two weights per instruction instead
+(:func:`unpack_minus_zero_f16`): the same exponent trick on both 16-bit halves of a register gives an
+fp16 pair, which is the MMA operand's own format. Triton does 16-bit integer work one element at a
+time (an ``and``/``or`` per weight and PRMTs to pack the pairs: tried, 7.0 instructions per weight), so
+the pair decode is five PTX instructions per word in ``tl.inline_asm_elementwise``.
 """
 
 from __future__ import annotations
@@ -51,6 +57,73 @@ def unpack_minus_zero(words, z, nibble_mask, BLOCK_K: tl.constexpr):
     bits = ((rep >> pre[None, :]) & (nibble_mask << bit)[None, :]) | exp_bits[None, :]
     base = (exp_bits + 0).to(tl.float32, bitcast=True)  # 2^(23 - bit)
     return bits.to(tl.float32, bitcast=True) - (base[None, :] + z[:, None])
+
+
+# Word w (nibble i = code of k = 8j + i: byte b holds k = 2b in bits 0-3, k = 2b + 1 in bits 4-7) -> four fp16
+# pairs, k = 2b in the low half of a result and k = 2b + 1 in the high half, both at bit 0 of their half and
+# read as fp16 1024 + q with the exponent trick of the module docstring (an fp16 mantissa has 10 bits):
+#   v = w >> 4                                  byte b of v holds k = 2b + 1 in bits 0-3
+#   u = prmt(w, v, 0x(4+b)(4+b)bb)              low half: byte b of w twice; high half: byte b of v twice
+#   (u & 0x000F000F) | 0x64006400 = (1024 + q(2b), 1024 + q(2b + 1))
+# One base for both halves: the pair subtract takes (1024 + z) twice, a register made once per row.
+# lop3 LUT 0xea is (a & b) | c. Outputs $0..$7 are k = 0..7 (tests/kernels/test_w4_decode_ptx.py runs this
+# program instruction by instruction on words with every code at every nibble).
+F16_PAIR_DECODE_PTX = tl.constexpr("""{
+.reg .b32 v, t;
+shr.u32 v, $8, 4;
+prmt.b32 t, $8, v, 0x4400;
+lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea;
+mov.b32 {$0, $1}, t;
+prmt.b32 t, $8, v, 0x5511;
+lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea;
+mov.b32 {$2, $3}, t;
+prmt.b32 t, $8, v, 0x6622;
+lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea;
+mov.b32 {$4, $5}, t;
+prmt.b32 t, $8, v, 0x7733;
+lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea;
+mov.b32 {$6, $7}, t;
+}""")
+
+
+@triton.jit
+def _biased_nibble_f16(words, i: tl.constexpr):
+    """Plain-Triton twin of one output of :data:`F16_PAIR_DECODE_PTX` (the CPU interpreter cannot run PTX):
+    nibble ``i`` of each word as fp16 ``1024 + q``."""
+    return ((words >> (4 * i)) & 15).to(tl.float16) + 1024.0
+
+
+@triton.jit
+def unpack_minus_zero_f16(words, z, BLOCK_K: tl.constexpr, USE_PTX: tl.constexpr):
+    """int32 words ``[R, BLOCK_K // 8]``, zero points ``z [R]`` (any float dtype, integers 0..15) -> exact fp16
+    ``q - z`` ``[R, BLOCK_K]`` (k = 8 j + i: nibble i of word j), two weights per instruction.
+
+    With ``USE_PTX`` (a GPU; sm_53+ for the fp16 pair subtract) a shift, four PRMT and four LOP3 per word give
+    the eight codes as fp16 ``1024 + q`` (:data:`F16_PAIR_DECODE_PTX`); one HADD2 per pair subtracts
+    ``1024 + z`` (exact: integers below 2048). The pairs stay in the registers they were made in: the MMA
+    operand layout holds k and k + 1 in one register too (sm_90, Triton 3.6, swap_ab 16 x 64: 4.86 -> 3.67
+    instructions per weight). Without it the same values come from plain Triton (interpreter).
+    """
+    if USE_PTX:
+        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+            F16_PAIR_DECODE_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 8, is_pure=True,
+            pack=1)
+    else:
+        o0 = _biased_nibble_f16(words, 0)
+        o1 = _biased_nibble_f16(words, 1)
+        o2 = _biased_nibble_f16(words, 2)
+        o3 = _biased_nibble_f16(words, 3)
+        o4 = _biased_nibble_f16(words, 4)
+        o5 = _biased_nibble_f16(words, 5)
+        o6 = _biased_nibble_f16(words, 6)
+        o7 = _biased_nibble_f16(words, 7)
+    z16 = z.to(tl.float16)
+    zb = (z16 + 1024.0)[:, None]
+    # Joined: [R, W, c, b, a] holds o_(4a + 2b + c); permuted to [R, W, a, b, c] it reshapes to k = 8 j + 4a + 2b + c.
+    t = tl.join(tl.join(tl.join(o0 - zb, o1 - zb), tl.join(o2 - zb, o3 - zb)),
+                tl.join(tl.join(o4 - zb, o5 - zb), tl.join(o6 - zb, o7 - zb)))
+    t = tl.permute(t, (0, 1, 4, 3, 2))
+    return tl.reshape(t, (t.shape[0], BLOCK_K))
 
 
 @triton.jit

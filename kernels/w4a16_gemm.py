@@ -17,7 +17,8 @@ picked by M (``GEMV_MAX_M`` / ``TILED_MAX_M``; ``swap_ab`` only from a tuned fil
   and one FFMA per row of x accumulates it; the scale is applied once per group and row.
 * ``tiled``  (M up to a few hundred): tensor cores. ``[BLOCK_N, BLOCK_K]`` weight tiles are
   dequantized in registers and fed to ``tl.dot`` with fp32 accumulation; split-K when the
-  M x N grid alone would leave SMs idle.
+  M x N grid alone would leave SMs idle. With fp16 activations the weights are decoded as fp16
+  pairs, two per instruction (:func:`.w4_decode.unpack_minus_zero_f16`; also ``swap_ab`` and ``dequant``).
 * ``swap_ab`` (small M on Hopper): the same tensor-core kernel with the operands swapped, the weight tile
   as the MMA's A operand (from registers) and the tokens as its N (:mod:`.w4a16_tiled`).
 * ``dequant`` (large M, compute-bound): dequantize W once into a dense ``[N, K]`` tensor with a
@@ -44,6 +45,7 @@ from ._common import (
     LaunchSpec,
     SplitKPartials,
     check_device,
+    interpreting,
     next_pow2,
     num_sms,
     upcast_dot,
@@ -57,6 +59,7 @@ from .w4_decode import (
     split_columns_mod4,
     store_output,
     unpack_minus_zero,
+    unpack_minus_zero_f16,
 )
 from .w4a16_tiled import w4a16_tiled_kernel
 from .w4a16_tuning import W4Launch, check_launch, tuned_launch
@@ -240,7 +243,7 @@ def _w4a16_gemv_kernel(
 def _w4_dequant_kernel(
     qw_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_qn, stride_sg, stride_wn, nibble_mask,
     GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, F16_DECODE: tl.constexpr = False, USE_PTX: tl.constexpr = False,
 ):
     pdl_start(USE_PDL)  # before any memory access (kernels/pdl.py)
     # One program: BLOCK_N rows x one group of K -> dense w [N, K] (nn.Linear orientation).
@@ -253,7 +256,10 @@ def _w4_dequant_kernel(
                     mask=n_mask[:, None], other=0)
     s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    w = unpack_minus_zero(words, z, nibble_mask, GROUP_SIZE) * s[:, None]
+    if F16_DECODE:  # fp16 output: pairs decoded and scaled two per instruction, the same bits (scale_rows)
+        w = unpack_minus_zero_f16(words, z, GROUP_SIZE, USE_PTX) * s.to(tl.float16)[:, None]
+    else:
+        w = unpack_minus_zero(words, z, nibble_mask, GROUP_SIZE) * s[:, None]
     offs_k = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
     tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], w.to(w_ptr.dtype.element_ty),
              mask=n_mask[:, None] & (offs_k[None, :] < K))
@@ -320,6 +326,13 @@ def tiled_config(m: int, device: torch.device | None = None) -> TiledConfig:
     return next((c for c in configs if c.block_m >= m), configs[-1])
 
 
+def f16_decode(dtype: torch.dtype, ptx: bool | None = None) -> dict[str, bool]:
+    """The tensor-core and dequant kernels' decode constexprs for activations (or output) of ``dtype``: fp16 pairs
+    (``F16_DECODE``, :func:`.w4_decode.unpack_minus_zero_f16`) for fp16, in PTX (``USE_PTX``) unless ``ptx`` says
+    otherwise; by default everywhere but the CPU interpreter. bf16 and fp32 keep the fp32 decode."""
+    return {"F16_DECODE": dtype == torch.float16, "USE_PTX": not interpreting() if ptx is None else ptx}
+
+
 def pick_path(m: int) -> str:
     """``"gemv"``, ``"tiled"`` or ``"dequant"`` for ``m`` rows (crossovers at the top of this file)."""
     return "gemv" if m <= GEMV_MAX_M else ("tiled" if m <= TILED_MAX_M else "dequant")
@@ -357,7 +370,7 @@ def _dequantize_into(w: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     grid = (triton.cdiv(n, DEQUANT_BLOCK_N), k // g)
     _w4_dequant_kernel[grid](qweight, scales, zeros, w, n, k, qweight.stride(0), scales.stride(0), w.stride(0), NIBBLE_MASK,
                              GROUP_SIZE=g, BLOCK_N=DEQUANT_BLOCK_N, num_warps=DEQUANT_NUM_WARPS,
-                             **pdl_launch(w.device))
+                             **f16_decode(w.dtype), **pdl_launch(w.device))
 
 
 def dequant_slab_rows(n: int, k: int, elem_bytes: int) -> int:
@@ -473,7 +486,7 @@ def w4a16_gemm_path(
         w4a16_tiled_kernel[(grid_mn[1], grid_mn[0], split) if swap else (grid_mn[0], grid_mn[1], split)](
             x, qweight, scales, zeros, bias_arg, out, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
             n, m * n, num_k_steps, steps_per_split, NIBBLE_MASK, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, UPCAST_DOT=upcast_dot(x.dtype), SWAP_AB=swap, **common)
+            BLOCK_K=block_k, UPCAST_DOT=upcast_dot(x.dtype), SWAP_AB=swap, **f16_decode(x.dtype), **common)
     if split == 1:
         return out
     if defer_reduce:
@@ -543,11 +556,12 @@ def launch_specs(dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> list[Lau
                     sig = {**base, "y_ptr": "*fp32" if split else f, **{i: "i32" for i in ints},
                            "num_k_steps": "i32", "steps_per_split": "i32", "nibble_mask": "i32"}
                     ce = {"GROUP_SIZE": g, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": min(block_k, g),
-                          "HAS_BIAS": True, "SPLIT": split, "UPCAST_DOT": False, "SWAP_AB": swap}
+                          "HAS_BIAS": True, "SPLIT": split, "UPCAST_DOT": False, "SWAP_AB": swap,
+                          **f16_decode(dt, ptx=True)}
                     specs.append(LaunchSpec(f"{name}[{dt}]", w4a16_tiled_kernel, {**sig, **dict.fromkeys(ce, "constexpr")},
                                             ce, num_warps, num_stages))
         for g in SUPPORTED_GROUP_SIZES:
-            ce = {"GROUP_SIZE": g, "BLOCK_N": DEQUANT_BLOCK_N}
+            ce = {"GROUP_SIZE": g, "BLOCK_N": DEQUANT_BLOCK_N, **f16_decode(dt, ptx=True)}
             sig = {"qw_ptr": "*i32", "s_ptr": f, "z_ptr": f, "w_ptr": f, "N": "i32", "K": "i32", "stride_qn": "i32",
                    "stride_sg": "i32", "stride_wn": "i32", "nibble_mask": "i32", **dict.fromkeys(ce, "constexpr")}
             specs.append(LaunchSpec(f"w4_dequant[{dt}]", _w4_dequant_kernel, sig, ce, DEQUANT_NUM_WARPS, 1))

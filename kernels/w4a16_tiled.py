@@ -14,7 +14,9 @@ tile the weights flow through. ``python -m lightinfer.kernels.sass_stats`` count
 
 Both: ``BLOCK_K`` divides the group size, so one K step lies in one group (one scale and zero per weight
 row); x and the weight words are software-pipelined (``num_stages``: they feed ``tl.dot``), scales and
-zeros loaded a step ahead (:func:`.w4_decode.k_step_scales`); split-K writes fp32 partials.
+zeros loaded a step ahead (:func:`.w4_decode.k_step_scales`); split-K writes fp32 partials. With fp16
+activations (``F16_DECODE``) the weights are decoded as fp16 pairs, two per instruction
+(:func:`.w4_decode.unpack_minus_zero_f16`; ``USE_PTX`` on a GPU, plain Triton on the interpreter).
 """
 
 from __future__ import annotations
@@ -22,7 +24,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .w4_decode import k_split_begin, k_step_scales, store_output, unpack_minus_zero
+from .w4_decode import k_split_begin, k_step_scales, store_output, unpack_minus_zero, unpack_minus_zero_f16
+
+
+@triton.jit
+def scale_rows(qz, s, dtype: tl.constexpr, F16_DECODE: tl.constexpr):
+    """``(q - z) * s`` per weight row in the MMA's ``dtype``. An fp16 ``q - z`` (at most 5 significant bits) times an
+    fp16 scale is rounded once either way, so the fp16 multiply (HMUL2: two weights per instruction) gives the
+    same bits as the fp32 product rounded to fp16."""
+    if F16_DECODE:
+        return qz * s.to(tl.float16)[:, None]
+    return (qz * s[:, None]).to(dtype)
 
 
 @triton.jit
@@ -31,7 +43,8 @@ def w4a16_tiled_kernel(
     M, N, stride_xm, stride_qn, stride_sg, stride_ym, stride_ys, num_k_steps, steps_per_split, nibble_mask,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr, SWAP_AB: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, F16_DECODE: tl.constexpr = False,
+    USE_PTX: tl.constexpr = False,
 ):
     # Grid (M tiles, N tiles, splits); swapped, (N tiles, M tiles, splits): weight tiles vary fastest, so
     # programs running together share x.
@@ -69,7 +82,11 @@ def w4a16_tiled_kernel(
             xt = xt.to(tl.float32)  # CPU interpreter only: its bf16 tl.dot returns garbage (Triton 3.9)
         words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :],
                         mask=n_mask[:, None], other=0)  # [BLOCK_N, BLOCK_K // 8]
-        qz = unpack_minus_zero(words, z, nibble_mask, BLOCK_K)  # [BLOCK_N, BLOCK_K]: q - z, exact
+        # [BLOCK_N, BLOCK_K]: q - z, exact; with fp16 activations already fp16, two weights per instruction
+        if F16_DECODE:
+            qz = unpack_minus_zero_f16(words, z, BLOCK_K, USE_PTX)
+        else:
+            qz = unpack_minus_zero(words, z, nibble_mask, BLOCK_K)
         # One K step is one group, so for small token tiles the scale waits until after the dot: one
         # multiply per output instead of one per weight, and q - z enters the tensor cores exactly (sm_90,
         # 16 rows: 6.95 -> 6.11 instructions per weight). Larger tiles lose: the extra accumulator costs
@@ -78,12 +95,12 @@ def w4a16_tiled_kernel(
             if BLOCK_M <= 64:
                 acc += tl.dot(qz.to(xt.dtype), xt) * s[:, None]
             else:
-                acc = tl.dot((qz * s[:, None]).to(xt.dtype), xt, acc)
+                acc = tl.dot(scale_rows(qz, s, xt.dtype, F16_DECODE), xt, acc)
         else:
             if BLOCK_M <= 32:
                 acc += tl.dot(xt, tl.trans(qz.to(xt.dtype))) * s[None, :]
             else:
-                acc = tl.dot(xt, tl.trans((qz * s[:, None]).to(xt.dtype)), acc)
+                acc = tl.dot(xt, tl.trans(scale_rows(qz, s, xt.dtype, F16_DECODE)), acc)
     if SWAP_AB:
         acc = tl.trans(acc)
     store_output(acc, bias_ptr, y_ptr, offs_m, offs_n, m_mask[:, None] & n_mask[None, :], n_mask, pid_k,

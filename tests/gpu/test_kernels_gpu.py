@@ -67,6 +67,26 @@ def test_w4a16_all_paths_real_shapes(k: int, n: int, m: int) -> None:
     assert _rel_err(wg.w4a16_gemm(x, qweight, scales, zeros, bias), want) < 3e-3
 
 
+@pytest.mark.parametrize("path", ["tiled", "swap_ab", "dequant"])
+def test_f16_pair_decode_ptx_is_exact(path: str) -> None:
+    """The fp16 pair decode's PTX (w4_decode.F16_PAIR_DECODE_PTX) on the GPU: every code at every nibble position
+    and every zero point gives q - z exactly (one-hot x picks single weights), with and without split-K."""
+    n, k, g = 256, 256, 128
+    rows, cols = torch.arange(n, device=DEV), torch.arange(k, device=DEV)
+    codes = ((rows[:, None] // 16 + cols[None, :]) % 16).int()
+    qweight = ref.pack_int4_rows(codes)
+    scales = torch.ones(k // g, n, dtype=torch.float16, device=DEV)
+    zeros = (rows % 16).half()[None, :].repeat(k // g, 1)
+    for k0 in range(8):
+        x = torch.zeros(5, k, dtype=torch.float16, device=DEV)
+        x[:, k0] = 1.0
+        x[:, g + k0 + 8] = 2.0
+        exact = ((codes[:, k0] - zeros[0]) + 2 * (codes[:, g + k0 + 8] - zeros[0])).half()
+        for split_k in (1, 2):
+            got = wg.w4a16_gemm_path(x, qweight, scales, zeros, path=path, split_k=split_k)
+            assert torch.equal(got, exact.expand(5, n)), (path, k0, split_k)
+
+
 def test_deferred_split_k_into_norm_and_silu_real_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     """o/down GEMM partials into the fused add + norm, gate_up partials into SiLU: identical to reducing first."""
     monkeypatch.setenv("LIGHTINFER_W4A16_CONFIGS", "none")  # the built-in launch splits K at M=1; a tuned one may not

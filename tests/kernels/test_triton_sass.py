@@ -65,6 +65,22 @@ def test_tiled_decode_has_no_per_weight_shift(rows: list[dict]) -> None:
         assert "SGXT" not in r["opcodes"] and "I2F" not in r["opcodes"], r
 
 
+def test_tensor_core_paths_decode_fp16_pairs(rows: list[dict]) -> None:
+    # fp16 activations: the weights are decoded as fp16 pairs in PTX (w4_decode.unpack_minus_zero_f16), not as
+    # fp32 and converted (an F2FP per two weights). swap_ab at 16 tokens: 3.81 per weight when written, 4.86
+    # with the fp32 decode; tiled 64 x 128: 4.09, was 5.64.
+    tc = [r for r in rows if r["name"].startswith(("w4a16_tiled", "w4a16_swap_ab"))]
+    assert tc and all(r["constexprs"]["F16_DECODE"] and r["constexprs"]["USE_PTX"] for r in tc)
+    for r in tc:
+        assert "F2FP" not in r["opcodes"], r
+        assert r["opcodes"].get("HADD2", 0) >= r["units_per_thread"] / 2, r  # one pair subtract per two weights
+    swap16 = next(r for r in tc if r["name"].startswith("w4a16_swap_ab") and r["constexprs"]["BLOCK_M"] == 16)
+    assert swap16["instructions_per_unit"] <= 4.1, swap16
+    tiled64 = next(r for r in tc if r["name"].startswith("w4a16_tiled") and r["constexprs"]["BLOCK_M"] == 64
+                   and r["num_warps"] == 4)
+    assert tiled64["instructions_per_unit"] <= 4.5, tiled64
+
+
 def test_decode_attention_loop_has_no_integer_division(rows: list[dict]) -> None:
     attn = [r for r in rows if r["name"].startswith("attn_decode")]
     assert {r["constexprs"]["QUANT"] for r in attn} == {False, True}

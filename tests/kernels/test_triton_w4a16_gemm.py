@@ -82,22 +82,24 @@ def test_awq_disk_layout_round_trip() -> None:
 
 @pytest.mark.parametrize("path", ["gemv", "tiled", "swap_ab", "dequant"])
 @pytest.mark.parametrize("g", [32, 128])
-def test_every_nibble_and_zero_point_decodes_exactly(path: str, g: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_every_nibble_and_zero_point_decodes_exactly(path: str, g: int, dtype: torch.dtype) -> None:
     """q - z is exact for every nibble position, code and zero point (the exponent trick of
-    ``unpack_minus_zero``), with and without split-K: one-hot x picks single weights."""
+    ``unpack_minus_zero``; with fp16, the pair decode of ``unpack_minus_zero_f16``), with and without
+    split-K: one-hot x picks single weights."""
     n, k = 256, 2 * g
     rows, cols = torch.arange(n), torch.arange(k)
     codes = ((rows[:, None] // 16 + cols[None, :]) % 16).int()  # row n: zero n % 16, every code at every nibble
     qweight = ref.pack_int4_rows(codes)
     assert (qweight < 0).any()  # a code >= 8 in nibble 7 sets the sign bit
-    scales = torch.ones(k // g, n)
-    zeros = (rows % 16).float()[None, :].repeat(k // g, 1)
+    scales = torch.ones(k // g, n, dtype=dtype)
+    zeros = (rows % 16).to(dtype)[None, :].repeat(k // g, 1)
     m = 1 if path == "gemv" else 5
     for k0 in range(8):
-        x = torch.zeros(m, k)
+        x = torch.zeros(m, k, dtype=dtype)
         x[:, k0] = 1.0
         x[:, g + k0 + 8] = 2.0
-        exact = (codes[:, k0] - zeros[0]) + 2 * (codes[:, g + k0 + 8] - zeros[0])
+        exact = ((codes[:, k0] - zeros[0]) + 2 * (codes[:, g + k0 + 8] - zeros[0])).to(dtype)
         for split_k in (1, 2):
             got = wg.w4a16_gemm_path(x, qweight, scales, zeros, path=path, split_k=split_k)
             assert torch.equal(got, exact.expand(m, n)), (path, k0, split_k)
