@@ -16,6 +16,8 @@
 #                                     # Commit the file.
 #   bash bench/gpu_checks.sh smollm2  # SmolLM2 AWQ + INT8 KV, GPU vs CPU: the second of two calls that
 #                                     # bring the model (see bench/gpu_assets.py), ~1 min
+#   bash bench/gpu_checks.sh first    # tests, then tune with what is left of 540 s (one machine start for both:
+#                                     # each start costs 1-2 minutes of a session's 15); extra arguments go to tune
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results/gpu}"
@@ -38,8 +40,13 @@ case "${1:-tests}" in
     $PY bench/kernels.py --quick --out "$OUT/kernels.json" "${@:2}" 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
   tune)
     $PY bench/tune_w4a16.py --copy-to "$OUT" "${@:2}" 2>&1 | tee "$OUT/tune_w4a16.log" | tail -30 ;;
+  first)
+    start=$SECONDS
+    timeout 240 $PY -m pytest -q -rA tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+    $PY bench/tune_w4a16.py --copy-to "$OUT" --budget-s $((540 - (SECONDS - start) - 90)) "${@:2}" 2>&1 \
+      | tee "$OUT/tune_w4a16.log" | tail -15 ;;
   smollm2)
     $PY bench/gpu_assets.py join && $PY -m pytest -q -s tests/gpu/test_engine_gpu.py -k smollm2 2>&1 \
       | tee "$OUT/smollm2_gpu_vs_cpu.log" | tail -20 ;;
-  *) echo "unknown stage $1 (tests | tune | kernels | e2e | memory | smollm2)"; exit 2 ;;
+  *) echo "unknown stage $1 (tests | tune | kernels | e2e | memory | smollm2 | first)"; exit 2 ;;
 esac
