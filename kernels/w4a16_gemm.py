@@ -33,6 +33,7 @@ is the rule, four times per decoder layer.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -326,11 +327,16 @@ def tiled_config(m: int, device: torch.device | None = None) -> TiledConfig:
     return next((c for c in configs if c.block_m >= m), configs[-1])
 
 
+F16_DECODE_ENV_VAR = "LIGHTINFER_F16_DECODE"
+
+
 def f16_decode(dtype: torch.dtype, ptx: bool | None = None) -> dict[str, bool]:
     """The tensor-core and dequant kernels' decode constexprs for activations (or output) of ``dtype``: fp16 pairs
     (``F16_DECODE``, :func:`.w4_decode.unpack_minus_zero_f16`) for fp16, in PTX (``USE_PTX``) unless ``ptx`` says
-    otherwise; by default everywhere but the CPU interpreter. bf16 and fp32 keep the fp32 decode."""
-    return {"F16_DECODE": dtype == torch.float16, "USE_PTX": not interpreting() if ptx is None else ptx}
+    otherwise; by default everywhere but the CPU interpreter. bf16 and fp32 keep the fp32 decode, and so does
+    fp16 with ``LIGHTINFER_F16_DECODE=0`` (a switch for comparing the two on a GPU)."""
+    on = dtype == torch.float16 and os.environ.get(F16_DECODE_ENV_VAR, "1") != "0"
+    return {"F16_DECODE": on, "USE_PTX": not interpreting() if ptx is None else ptx}
 
 
 def pick_path(m: int) -> str:

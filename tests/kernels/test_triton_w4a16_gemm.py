@@ -196,3 +196,17 @@ def test_dequant_path_in_slabs(monkeypatch) -> None:
     got = wg.w4a16_gemm_path(x, qweight, scales, zeros, bias, path="dequant")
     torch.testing.assert_close(got.float(), ref.w4a16_gemm(x, qweight, scales, zeros, bias).float(),
                                **_tol(torch.float16))
+
+
+def test_f16_decode_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp16 takes the pair decode (plain Triton on the interpreter); LIGHTINFER_F16_DECODE=0 and other dtypes the
+    fp32 one, with the same result (both are exact before the scale)."""
+    assert wg.f16_decode(torch.float16) == {"F16_DECODE": True, "USE_PTX": False}
+    assert not wg.f16_decode(torch.bfloat16)["F16_DECODE"]
+    assert wg.f16_decode(torch.float16, ptx=True)["USE_PTX"]
+    qweight, scales, zeros = _weights(72, 256, 64, torch.float16)
+    x = torch.randn(5, 256).half()
+    pair = wg.w4a16_gemm_path(x, qweight, scales, zeros, path="tiled")
+    monkeypatch.setenv(wg.F16_DECODE_ENV_VAR, "0")
+    assert not wg.f16_decode(torch.float16)["F16_DECODE"]
+    assert torch.equal(wg.w4a16_gemm_path(x, qweight, scales, zeros, path="tiled"), pair)
