@@ -113,9 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; bad input exits 2 with a one-line error, never a traceback."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    from lightinfer.engine.cuda_graph import CudaGraphCaptureError
+
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, CudaGraphCaptureError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -32,6 +32,10 @@ from lightinfer.layers.embed_head import VocabEmbedding
 logger = logging.getLogger("lightinfer")
 
 SMALL_BATCH_SIZES = (1, 2, 4, 8)
+
+
+class CudaGraphCaptureError(RuntimeError):
+    """Capturing the decode graphs failed, so the engine did not start (:meth:`ModelRunner._capture_graphs`)."""
 BATCH_SIZE_STEP = 16  # above 8: every multiple of 16, as vLLM does (padding <= 15 rows)
 
 
@@ -180,7 +184,7 @@ class DecodeGraphRunner:
 
     def _forward(self, bs: int) -> None:
         """The model on the first ``bs`` static rows, output into ``self.hidden[:bs]`` (the
-        body that is captured; also the warm-up and the eager fallback)."""
+        body that is captured; also the warm-up, and the whole run of a runner without graphs)."""
         set_context(AttentionMetadata(
             num_decodes=bs, slot_mapping=self.slot_mapping[:bs], context_lens=self.context_lens[:bs],
             block_tables=self.block_tables[:bs], cu_seqlens_q=None,

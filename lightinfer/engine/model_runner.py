@@ -9,7 +9,7 @@ import torch
 from lightinfer.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from lightinfer.dummy_weights import init_dummy_weights
 from lightinfer.engine.cpu_malloc import tune_malloc_for_cpu_inference
-from lightinfer.engine.cuda_graph import DecodeGraphRunner, graph_batch_sizes
+from lightinfer.engine.cuda_graph import CudaGraphCaptureError, DecodeGraphRunner, graph_batch_sizes
 from lightinfer.engine.kv_cache import KVCacheSpec
 from lightinfer.engine.memory import (
     available_host_bytes,
@@ -248,16 +248,21 @@ class ModelRunner:
         """Most decodes one step can hold: one token each, so the token budget caps them too."""
         return min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
 
-    def _capture_graphs(self) -> DecodeGraphRunner | None:
-        """Capture the decode graphs; None (eager decodes, with a warning) when capture fails,
-        e.g. because some op in the forward synchronizes with the host."""
+    def _capture_graphs(self) -> DecodeGraphRunner:
+        """Capture the decode graphs.
+
+        Raises:
+            CudaGraphCaptureError: capture failed (e.g. an op in the forward synchronized with the host). A
+                failed capture can leave torch's stream and graph memory pool half-captured, so decoding eagerly
+                in the same process is not a safe fallback: the message says to start with ``enforce_eager``.
+        """
         runner = self.build_graph_runner(use_cuda_graphs=True)
         try:
             runner.capture()
         except RuntimeError as err:
-            logger.warning("CUDA graph capture failed, decoding eagerly (enforce_eager=True skips the attempt): "
-                           "%s", err)
-            return None
+            raise CudaGraphCaptureError(
+                f"capturing the decode CUDA graphs failed ({err}); start the engine with enforce_eager=True "
+                f"(CLI: --enforce-eager) to run without CUDA graphs") from err
         return runner
 
     def build_graph_runner(self, use_cuda_graphs: bool) -> DecodeGraphRunner:
