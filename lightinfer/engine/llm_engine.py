@@ -346,9 +346,7 @@ class LLMEngine:
                     if late is not None:
                         detok.text = detok.text[: late[0]]
                         seq.finish_reason, seq.stop_reason = "stop", late[1]
-            out.text = detok.text
-            out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
-            req.metrics.finished_time = time.monotonic()
+            self._close_output(req, seq)
         else:
             visible = len(detok.text) - stop_holdback(detok.text, stops)
             out.text = detok.text[: max(visible, len(out.text))]
@@ -361,10 +359,15 @@ class LLMEngine:
                      "the forward; with dtype float16, try bfloat16); this completion stops with reason 'abort'",
                      req.request_id, seq.num_output_tokens)
         self.scheduler.finish(seq, "abort")
-        detok, out = req.detoks[seq.index], req.outputs[seq.index]
-        detok.flush()
-        out.text = detok.text
-        out.finish_reason = "abort"
+        req.detoks[seq.index].flush()
+        self._close_output(req, seq)
+
+    def _close_output(self, req: Request, seq: Sequence) -> None:
+        """The finished ``seq``'s output takes its detokenizer's whole text and the sequence's finish and stop
+        reasons; the request's finish time is now (the last completion to finish sets it)."""
+        out = req.outputs[seq.index]
+        out.text = req.detoks[seq.index].text
+        out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
         req.metrics.finished_time = time.monotonic()
 
     def _make_output(self, req: Request) -> RequestOutput:
