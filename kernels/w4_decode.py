@@ -87,13 +87,6 @@ mov.b32 {$6, $7}, t;
 
 
 @triton.jit
-def _biased_nibble_f16(words, i: tl.constexpr):
-    """Plain-Triton twin of one output of :data:`F16_PAIR_DECODE_PTX` (the CPU interpreter cannot run PTX):
-    nibble ``i`` of each word as fp16 ``1024 + q``."""
-    return ((words >> (4 * i)) & 15).to(tl.float16) + 1024.0
-
-
-@triton.jit
 def unpack_minus_zero_f16(words, z, BLOCK_K: tl.constexpr, USE_PTX: tl.constexpr):
     """int32 words ``[R, BLOCK_K // 8]``, zero points ``z [R]`` (any float dtype, integers 0..15) -> exact fp16
     ``q - z`` ``[R, BLOCK_K]`` (k = 8 j + i: nibble i of word j), two weights per instruction.
@@ -101,29 +94,21 @@ def unpack_minus_zero_f16(words, z, BLOCK_K: tl.constexpr, USE_PTX: tl.constexpr
     With ``USE_PTX`` (a GPU; sm_53+ for the fp16 pair subtract) a shift, four PRMT and four LOP3 per word give
     the eight codes as fp16 ``1024 + q`` (:data:`F16_PAIR_DECODE_PTX`); one HADD2 per pair subtracts
     ``1024 + z`` (exact: integers below 2048). The pairs stay in the registers they were made in: the MMA
-    operand layout holds k and k + 1 in one register too (sm_90, Triton 3.6, swap_ab 16 x 64: 4.86 -> 3.67
+    operand layout holds k and k + 1 in one register too (sm_90, Triton 3.6, swap_ab 16 x 64: 4.86 -> 3.81
     instructions per weight). Without it the same values come from plain Triton (interpreter).
     """
     if USE_PTX:
         o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
             F16_PAIR_DECODE_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 8, is_pure=True,
             pack=1)
-    else:
-        o0 = _biased_nibble_f16(words, 0)
-        o1 = _biased_nibble_f16(words, 1)
-        o2 = _biased_nibble_f16(words, 2)
-        o3 = _biased_nibble_f16(words, 3)
-        o4 = _biased_nibble_f16(words, 4)
-        o5 = _biased_nibble_f16(words, 5)
-        o6 = _biased_nibble_f16(words, 6)
-        o7 = _biased_nibble_f16(words, 7)
-    z16 = z.to(tl.float16)
-    zb = (z16 + 1024.0)[:, None]
-    # Joined: [R, W, c, b, a] holds o_(4a + 2b + c); permuted to [R, W, a, b, c] it reshapes to k = 8 j + 4a + 2b + c.
-    t = tl.join(tl.join(tl.join(o0 - zb, o1 - zb), tl.join(o2 - zb, o3 - zb)),
-                tl.join(tl.join(o4 - zb, o5 - zb), tl.join(o6 - zb, o7 - zb)))
-    t = tl.permute(t, (0, 1, 4, 3, 2))
-    return tl.reshape(t, (t.shape[0], BLOCK_K))
+        # Joined: [R, W, c, b, a] holds o_(4a + 2b + c); permuted to [R, W, a, b, c] it reshapes to
+        # k = 8 j + 4a + 2b + c.
+        t = tl.join(tl.join(tl.join(o0, o1), tl.join(o2, o3)), tl.join(tl.join(o4, o5), tl.join(o6, o7)))
+        biased = tl.reshape(tl.permute(t, (0, 1, 4, 3, 2)), (t.shape[0], BLOCK_K))
+    else:  # the same values in plain Triton: the CPU interpreter cannot run PTX
+        nibbles = (words[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 15
+        biased = tl.reshape(nibbles.to(tl.float16) + 1024.0, (words.shape[0], BLOCK_K))
+    return biased - (z.to(tl.float16) + 1024.0)[:, None]
 
 
 @triton.jit

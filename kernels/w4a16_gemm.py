@@ -330,12 +330,14 @@ def tiled_config(m: int, device: torch.device | None = None) -> TiledConfig:
 F16_DECODE_ENV_VAR = "LIGHTINFER_F16_DECODE"
 
 
-def f16_decode(dtype: torch.dtype, ptx: bool | None = None) -> dict[str, bool]:
-    """The tensor-core and dequant kernels' decode constexprs for activations (or output) of ``dtype``: fp16 pairs
-    (``F16_DECODE``, :func:`.w4_decode.unpack_minus_zero_f16`) for fp16, in PTX (``USE_PTX``) unless ``ptx`` says
-    otherwise; by default everywhere but the CPU interpreter. bf16 and fp32 keep the fp32 decode, and so does
-    fp16 with ``LIGHTINFER_F16_DECODE=0`` (a switch for comparing the two on a GPU)."""
-    on = dtype == torch.float16 and os.environ.get(F16_DECODE_ENV_VAR, "1") != "0"
+def f16_decode(dtype: torch.dtype, scale_dtype: torch.dtype = torch.float16, ptx: bool | None = None) -> dict[str, bool]:
+    """The tensor-core and dequant kernels' decode constexprs for activations (or output) of ``dtype`` and scales of
+    ``scale_dtype``: fp16 pairs (``F16_DECODE``, :func:`.w4_decode.unpack_minus_zero_f16`) when both are fp16 (an
+    fp32 scale would be rounded to fp16 before the multiply), in PTX (``USE_PTX``) unless ``ptx`` says otherwise;
+    by default everywhere but the CPU interpreter. Other dtypes keep the fp32 decode, and so does fp16 with
+    ``LIGHTINFER_F16_DECODE=0`` (a switch for comparing the two on a GPU)."""
+    on = (dtype == torch.float16 and scale_dtype == torch.float16
+          and os.environ.get(F16_DECODE_ENV_VAR, "1") != "0")
     return {"F16_DECODE": on, "USE_PTX": not interpreting() if ptx is None else ptx}
 
 
@@ -376,7 +378,7 @@ def _dequantize_into(w: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     grid = (triton.cdiv(n, DEQUANT_BLOCK_N), k // g)
     _w4_dequant_kernel[grid](qweight, scales, zeros, w, n, k, qweight.stride(0), scales.stride(0), w.stride(0), NIBBLE_MASK,
                              GROUP_SIZE=g, BLOCK_N=DEQUANT_BLOCK_N, num_warps=DEQUANT_NUM_WARPS,
-                             **f16_decode(w.dtype), **pdl_launch(w.device))
+                             **f16_decode(w.dtype, scales.dtype), **pdl_launch(w.device))
 
 
 def dequant_slab_rows(n: int, k: int, elem_bytes: int) -> int:
@@ -492,7 +494,7 @@ def w4a16_gemm_path(
         w4a16_tiled_kernel[(grid_mn[1], grid_mn[0], split) if swap else (grid_mn[0], grid_mn[1], split)](
             x, qweight, scales, zeros, bias_arg, out, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
             n, m * n, num_k_steps, steps_per_split, NIBBLE_MASK, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, UPCAST_DOT=upcast_dot(x.dtype), SWAP_AB=swap, **f16_decode(x.dtype), **common)
+            BLOCK_K=block_k, UPCAST_DOT=upcast_dot(x.dtype), SWAP_AB=swap, **f16_decode(x.dtype, scales.dtype), **common)
     if split == 1:
         return out
     if defer_reduce:
@@ -563,11 +565,11 @@ def launch_specs(dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> list[Lau
                            "num_k_steps": "i32", "steps_per_split": "i32", "nibble_mask": "i32"}
                     ce = {"GROUP_SIZE": g, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": min(block_k, g),
                           "HAS_BIAS": True, "SPLIT": split, "UPCAST_DOT": False, "SWAP_AB": swap,
-                          **f16_decode(dt, ptx=True)}
+                          **f16_decode(dt, dt, ptx=True)}
                     specs.append(LaunchSpec(f"{name}[{dt}]", w4a16_tiled_kernel, {**sig, **dict.fromkeys(ce, "constexpr")},
                                             ce, num_warps, num_stages))
         for g in SUPPORTED_GROUP_SIZES:
-            ce = {"GROUP_SIZE": g, "BLOCK_N": DEQUANT_BLOCK_N, **f16_decode(dt, ptx=True)}
+            ce = {"GROUP_SIZE": g, "BLOCK_N": DEQUANT_BLOCK_N, **f16_decode(dt, dt, ptx=True)}
             sig = {"qw_ptr": "*i32", "s_ptr": f, "z_ptr": f, "w_ptr": f, "N": "i32", "K": "i32", "stride_qn": "i32",
                    "stride_sg": "i32", "stride_wn": "i32", "nibble_mask": "i32", **dict.fromkeys(ce, "constexpr")}
             specs.append(LaunchSpec(f"w4_dequant[{dt}]", _w4_dequant_kernel, sig, ce, DEQUANT_NUM_WARPS, 1))

@@ -87,6 +87,20 @@ def test_f16_pair_decode_ptx_is_exact(path: str) -> None:
             assert torch.equal(got, exact.expand(5, n)), (path, k0, split_k)
 
 
+def test_f16_pair_decode_same_bits_as_fp32_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With real fp16 scales (subnormal ones too) the pair decode's scaled tiles (scale_rows: tiled above 32 rows,
+    swap_ab above 64 tokens, dequant) give the same bits as the fp32 decode (LIGHTINFER_F16_DECODE=0)."""
+    qweight, scales, zeros = _weights(4096, 4096, 128)
+    scales[0, :64] = torch.tensor(2.0**-20, dtype=torch.float16)  # subnormal scales on the first rows
+    x = torch.randn(200, 4096, device=DEV, dtype=torch.float16)
+    launches = [wg.W4Launch("tiled", 64, 128, 64, 4, 3), wg.W4Launch("swap_ab", 128, 128, 64, 8, 3),
+                wg.W4Launch("dequant")]
+    pair = [wg.w4a16_gemm_path(x, qweight, scales, zeros, launch=la) for la in launches]
+    monkeypatch.setenv(wg.F16_DECODE_ENV_VAR, "0")
+    for la, got in zip(launches, pair):
+        assert torch.equal(wg.w4a16_gemm_path(x, qweight, scales, zeros, launch=la), got), la
+
+
 def test_deferred_split_k_into_norm_and_silu_real_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     """o/down GEMM partials into the fused add + norm, gate_up partials into SiLU: identical to reducing first."""
     monkeypatch.setenv("LIGHTINFER_W4A16_CONFIGS", "none")  # the built-in launch splits K at M=1; a tuned one may not

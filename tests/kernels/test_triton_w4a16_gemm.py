@@ -199,10 +199,11 @@ def test_dequant_path_in_slabs(monkeypatch) -> None:
 
 
 def test_f16_decode_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fp16 takes the pair decode (plain Triton on the interpreter); LIGHTINFER_F16_DECODE=0 and other dtypes the
-    fp32 one, with the same result (both are exact before the scale)."""
+    """fp16 takes the pair decode (plain Triton on the interpreter); LIGHTINFER_F16_DECODE=0, other dtypes and fp32
+    scales the fp32 one, with the same result (both are exact before the scale)."""
     assert wg.f16_decode(torch.float16) == {"F16_DECODE": True, "USE_PTX": False}
     assert not wg.f16_decode(torch.bfloat16)["F16_DECODE"]
+    assert not wg.f16_decode(torch.float16, torch.float32)["F16_DECODE"]  # fp32 scales: not rounded to fp16
     assert wg.f16_decode(torch.float16, ptx=True)["USE_PTX"]
     qweight, scales, zeros = _weights(72, 256, 64, torch.float16)
     x = torch.randn(5, 256).half()
@@ -210,3 +211,16 @@ def test_f16_decode_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(wg.F16_DECODE_ENV_VAR, "0")
     assert not wg.f16_decode(torch.float16)["F16_DECODE"]
     assert torch.equal(wg.w4a16_gemm_path(x, qweight, scales, zeros, path="tiled"), pair)
+
+
+@pytest.mark.parametrize("path", ["tiled", "dequant"])
+def test_fp32_scales_with_fp16_activations_are_not_rounded(path: str) -> None:
+    """fp16 x with fp32 scales keeps the fp32 decode: the result equals the one from exact fp32 weights."""
+    qweight, scales, zeros = _weights(64, 256, 64, torch.float32)
+    scales = scales * (1 + 1e-4 * torch.rand_like(scales))  # not representable in fp16
+    x = torch.randn(70, 256).half()
+    w = ref.dequantize_w4(qweight, scales, zeros).to(torch.float16)
+    got = wg.w4a16_gemm_path(x, qweight, scales, zeros, path=path)
+    torch.testing.assert_close(got.float(), (x.float() @ w.float().T), atol=2e-2, rtol=2e-2)
+    if path == "dequant":
+        assert torch.equal(wg.dequantize_w4(qweight, scales, zeros, torch.float16), w)
