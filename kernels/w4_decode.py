@@ -68,22 +68,17 @@ def unpack_minus_zero(words, z, nibble_mask, BLOCK_K: tl.constexpr):
 # One base for both halves: the pair subtract takes (1024 + z) twice, a register made once per row.
 # lop3 LUT 0xea is (a & b) | c. Outputs $0..$7 are k = 0..7 (tests/kernels/test_w4_decode_ptx.py runs this
 # program instruction by instruction on words with every code at every nibble).
-F16_PAIR_DECODE_PTX = tl.constexpr("""{
-.reg .b32 v, t;
-shr.u32 v, $8, 4;
-prmt.b32 t, $8, v, 0x4400;
-lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea;
-mov.b32 {$0, $1}, t;
-prmt.b32 t, $8, v, 0x5511;
-lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea;
-mov.b32 {$2, $3}, t;
-prmt.b32 t, $8, v, 0x6622;
-lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea;
-mov.b32 {$4, $5}, t;
-prmt.b32 t, $8, v, 0x7733;
-lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea;
-mov.b32 {$6, $7}, t;
-}""")
+def _pair_decode_ptx() -> str:
+    """The PTX block above: the shift, then per byte b a permute, a mask-and-exponent LOP3 and the split of the
+    pair into outputs ``$2b`` and ``$2b+1``."""
+    lines = [".reg .b32 v, t;", "shr.u32 v, $8, 4;"]
+    for b in range(4):
+        lines += [f"prmt.b32 t, $8, v, 0x{4 + b}{4 + b}{b}{b};", "lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea;",
+                  f"mov.b32 {{${2 * b}, ${2 * b + 1}}}, t;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+F16_PAIR_DECODE_PTX = tl.constexpr(_pair_decode_ptx())
 
 
 @triton.jit
