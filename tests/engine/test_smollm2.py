@@ -127,7 +127,11 @@ def test_bad_prompts_are_refused_before_work(smollm2_llm, bad, match) -> None:
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": 1.5}, "top_p"), ({"temperature": "hot"}, "temperature must be a finite number, got 'hot'"),
+    ({"temperature": float("nan")}, "temperature must be a finite number"), ({"min_p": True}, "min_p must be a finite"),
+    ({"stop": 5}, "stop must be a string or a list of strings"), ({"stop": ["a", 3]}, "stop must be a string"),
+    ({"stop_token_ids": "a"}, "stop_token_ids must be a list"), ({"min_tokens": 1.5}, "min_tokens must be an integer"),
+    ({"logprobs": "2"}, "logprobs must be an integer"),
 ])
 def test_bad_sampling_params(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
