@@ -32,10 +32,19 @@ def parse_bytes(value: int | str | None) -> int | None:
 
 def resolve_device(device: str) -> torch.device:
     """``"auto"`` -> cuda when available, else cpu; anything else is passed to ``torch.device``.
-    A CUDA device always gets its index (``cuda`` -> ``cuda:<current>``)."""
+    A CUDA device always gets its index (``cuda`` -> ``cuda:<current>``).
+
+    Raises:
+        ValueError: a name torch does not know, a device type other than cpu/cuda, or cuda without a GPU.
+    """
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a device name; use auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not supported; lightinfer runs on cpu or cuda (CUDA GPUs)")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device {device!r} asked for, but torch sees no CUDA GPU; use device='cpu'")

@@ -136,7 +136,10 @@ class LLM:
             raise ValueError(  # noqa: TRY004 - every bad input is a ValueError here
                 f"chat() takes a conversation (a list of {{'role': ..., 'content': ...}} messages) or a "
                 f"list of them, got {type(messages).__name__}; for a plain prompt use generate()")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not messages:
+            raise ValueError("chat() got no messages: give a conversation (a list of {'role': ..., 'content': ...} "
+                             "messages) or a list of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         ids = [apply_chat_template(self.tokenizer, conv) for conv in conversations]  # type: ignore[arg-type]
         return self.generate(ids, sampling_params, use_tqdm)
 
@@ -243,7 +246,10 @@ class Pipeline:
     def _batch(self, prompts: object) -> tuple[list[object], bool]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
             return [prompts], True
-        return list(prompts), False  # type: ignore[call-overload]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"a pipeline takes a prompt (a string or a list of messages) or a list of prompts, "
+                             f"got {type(prompts).__name__}")
+        return list(prompts), False
 
     def __call__(self, prompts: object, gen_config: SamplingParams | None = None, **kwargs: object
                  ) -> Response | list[Response]:

@@ -14,6 +14,9 @@ from lightinfer.cli import main
     (["generate", "/nonexistent", "--prompt", "hi"], "no such file or folder"),
     (["generate", "smollm2-135m-instruct", "--prompt", ""], "the prompt is empty"),
     (["serve", "smollm2-135m-instruct", "--port", "99999"], "is not a TCP port"),
+    (["generate", "smollm2-135m-instruct", "--prompt", "hi", "--device", "tpu"], "'tpu' is not a device name"),
+    (["generate", "smollm2-135m-instruct", "--prompt", "hi", "--device", "mps"], "runs on cpu or cuda"),
+    (["serve", "smollm2-135m-instruct", "--ui-auth", "nocolon"], "--ui-auth must be USER:PASS"),
 ])
 def test_bad_input_is_one_line_and_fast(capsys, argv: list[str], message: str) -> None:
     t = time.perf_counter()

@@ -116,7 +116,7 @@ class LLMEngine:
         if config.quantization == "awq" and self.checkpoint.quant_config is None:
             if not dummy:
                 raise ValueError(f"quantization='awq' was asked for, but {config.model} is not an AWQ checkpoint; "
-                                 f"make one with `lightinfer quantize {config.model} OUT_DIR` and load OUT_DIR")
+                                 f"make one with `lightinfer quantize {config.model} --out OUT_DIR` and load OUT_DIR")
             from lightinfer.dummy_weights import dummy_awq_config
 
             self.checkpoint.quant_config = dummy_awq_config(hf_config)

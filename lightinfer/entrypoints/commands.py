@@ -40,6 +40,11 @@ def _add_server_args(p: argparse.ArgumentParser, kv_default: str) -> None:
     p.add_argument("--max-waiting", type=int, default=256,
                    help="queued requests beyond which new ones get HTTP 503")
     p.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: automatic)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU's memory the engine may plan with")
+    p.add_argument("--max-vram", default=None, help="cap on GPU memory, e.g. 8GiB (simulates a smaller card)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV blocks of shared prefixes")
     p.add_argument("--api-key", default=os.environ.get("LIGHTINFER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (or set LIGHTINFER_API_KEY)")
     p.add_argument("--ui-auth", default=None, metavar="USER:PASS", help="password-protect the chat UI")
@@ -70,7 +75,7 @@ def _parse_ui_auth(value: str | None) -> tuple[str, str] | None:
         return None
     user, sep, password = value.partition(":")
     if not sep or not user or not password:
-        raise SystemExit("--ui-auth must be USER:PASS (both non-empty)")
+        raise ValueError(f"--ui-auth must be USER:PASS (both non-empty), got {value!r}")
     return user, password
 
 
@@ -99,7 +104,8 @@ def run_serve(args: argparse.Namespace) -> int:
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_bytes=args.kv_cache_memory,
-        max_waiting=args.max_waiting)
+        max_waiting=args.max_waiting, gpu_memory_utilization=args.gpu_memory_utilization, max_vram=args.max_vram,
+        enforce_eager=args.enforce_eager, enable_prefix_caching=not args.no_prefix_caching)
     print(f"lightinfer: loading {args.model} (KV cache {args.kv_cache_dtype}) ...", flush=True)
     engine = AsyncLLMEngine(LLMEngine(config))
     app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key, ui_auth=ui_auth,

@@ -87,15 +87,16 @@ class OpenAIServing:
                                    f"`{self.model_name}`", param="model", code="model_not_found")
 
     def sampling_params(self, req: P._SamplingRequest, prompt_len: int, max_tokens: int | None,
-                        logprobs: int | None) -> SamplingParams:
-        """Build and validate ``SamplingParams``; 400 when prompt + max_tokens exceed the context."""
+                        logprobs: int | None, prompt_param: str = "messages") -> SamplingParams:
+        """Build and validate ``SamplingParams``; 400 when prompt + max_tokens exceed the context (naming
+        ``prompt_param``, the request field that holds the prompt)."""
         room = self.max_model_len - prompt_len
         if room <= 0 or (max_tokens is not None and max_tokens > room):
             asked = f"; you requested {prompt_len + (max_tokens or 0)} tokens ({prompt_len} in the prompt, " \
                     f"{max_tokens or 0} for the completion)"
             raise OpenAIError(400, f"This model's maximum context length is {self.max_model_len} tokens"
                                    f"{asked}. Shorten the prompt or lower max_tokens.",
-                              param="messages", code="context_length_exceeded")
+                              param=prompt_param, code="context_length_exceeded")
         try:
             return SamplingParams(
                 n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -268,9 +269,13 @@ def create_openai_app(engine: AsyncLLMEngine, served_model_name: str, api_key: s
             detail = (first.get("ctx") or {}).get("error") or first.get("msg", "")
             return _error_response(OpenAIError(400, f"the request body is not valid JSON ({detail}); send a JSON "
                                                     "object with Content-Type: application/json"))
-        if not loc:  # valid JSON, but not an object (a list, a number)
-            return _error_response(OpenAIError(400, f"the request body must be a JSON object, got a JSON "
-                                                    f"{type(raw).__name__}"))
+        if not loc:  # valid JSON, but not an object (a list, a number), or no body at all
+            if raw is None:
+                return _error_response(OpenAIError(400, "the request has no body; send a JSON object with "
+                                                        "Content-Type: application/json"))
+            kind = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(raw),
+                                                                                                    type(raw).__name__)
+            return _error_response(OpenAIError(400, f"the request body must be a JSON object, got a JSON {kind}"))
         msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: "
                         f"{str(e.get('msg', '')).removeprefix('Value error, ')}"  # pydantic's prefix to our checks
                         for e in exc.errors()[:5])

@@ -133,7 +133,7 @@ def register_routes(app: FastAPI, serving: OpenAIServing) -> None:
         serving.check_model(req.model)
         prompts = serving.completion_prompts(req)
         top = req.logprobs
-        params = serving.sampling_params(req, max(len(p) for p in prompts), req.max_tokens, top)
+        params = serving.sampling_params(req, max(len(p) for p in prompts), req.max_tokens, top, "prompt")
         subs = await serving.submit(prompts, params)
         logger.info("completion request %s: %d prompt(s), n=%d, stream=%s", subs[0][0], len(prompts), req.n,
                     req.stream)

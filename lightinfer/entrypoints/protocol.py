@@ -120,12 +120,13 @@ class TextContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """A message; ``content`` is a string or a list of text parts (other part types: 400)."""
+    """A message; ``content`` is a string or a list of text parts (other part types: 400). It is required, as
+    OpenAI requires it of every message without tool calls (which this server does not take)."""
 
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[TextContentPart]
     name: str | None = None
 
     @field_validator("content")
@@ -135,8 +136,6 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
-        if self.content is None:
-            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)

@@ -11,6 +11,7 @@ import torch
 
 from lightinfer import LLM, SamplingParams, pipeline
 from lightinfer.loader import Checkpoint
+from lightinfer.llm import Pipeline
 from tests.conftest import write_tiny_checkpoint
 
 
@@ -199,6 +200,8 @@ def test_broken_logits_end_that_request_only(tiny, caplog) -> None:
     (lambda llm: llm.chat("hi"), "chat() takes a conversation"),
     (lambda llm: llm.chat([{"role": "wizard", "content": "x"}]), "role 'wizard' is not one of"),
     (lambda llm: llm.chat([{"role": "user", "content": "\udfff"}]), "user message is not valid Unicode"),
+    (lambda llm: llm.chat([]), "chat() got no messages"),
+    (lambda llm: Pipeline(llm)(5), "a pipeline takes a prompt"),
 ])
 def test_python_api_bad_arguments_are_clear(tiny, call, needle: str) -> None:
     """The Python API refuses what the HTTP API refuses, with a ValueError that says what to do (these were an

@@ -121,16 +121,23 @@ def test_400_prompt_longer_than_context(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x" * 600}])
     assert e.value.body["code"] == "context_length_exceeded"
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hello", max_tokens=10_000)
+    assert e.value.body["param"] == "prompt"
 
 
 def test_400_malformed_body(fake_server: LiveServer) -> None:
     h = {"Authorization": "Bearer test-key"}
-    for body in ({"model": MODEL}, {"model": MODEL, "messages": []}, {"model": MODEL, "messages": [{"role": "x"}]}):
+    for body in ({"model": MODEL}, {"model": MODEL, "messages": []}, {"model": MODEL, "messages": [{"role": "x"}]},
+                 {"model": MODEL, "messages": [{"role": "user"}]},
+                 {"model": MODEL, "messages": [{"role": "user", "content": None}]}):
         r = httpx.post(f"{fake_server.url}/v1/chat/completions", json=body, headers=h)
         assert r.status_code == 400, body
         assert r.json()["error"]["type"] == "invalid_request_error"
+        if body.get("messages") and body["messages"][0]["role"] == "user":
+            assert "messages.0.content" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{fake_server.url}/v1/chat/completions", headers={**h, "Content-Type": "application/json"})
+    assert r.status_code == 400 and "has no body" in r.json()["error"]["message"], r.text
     r = httpx.post(f"{fake_server.url}/v1/completions", content=b"{not json", headers=h)
     assert r.status_code == 400
     assert "not valid JSON" in r.json()["error"]["message"] and r.json()["error"]["param"] is None

@@ -65,8 +65,11 @@ def test_serve_defaults_are_safe() -> None:
     assert (a.host, a.port, a.kv_cache_dtype, a.func) == ("127.0.0.1", 7860, "auto", commands.run_serve)
     d = _parse(["demo"])
     assert d.kv_cache_dtype == "int8" and d.host == "127.0.0.1" and d.func is commands.run_demo
-    with pytest.raises(SystemExit, match="USER:PASS"):
+    with pytest.raises(ValueError, match="USER:PASS"):  # main() prints it as a one-line "error: ..."
         commands._parse_ui_auth("nopassword")
+    e = _parse(["serve", "m", "--max-vram", "8GiB", "--enforce-eager", "--gpu-memory-utilization", "0.5",
+                "--no-prefix-caching"])
+    assert (e.max_vram, e.enforce_eager, e.gpu_memory_utilization, e.no_prefix_caching) == ("8GiB", True, 0.5, True)
     assert commands._parse_ui_auth("u:p:q") == ("u", "p:q")
 
 
