@@ -5,7 +5,8 @@ Measures, in one run (so every baseline shares the GPU's state):
 * copy bandwidth: a 1 GiB device-to-device copy, counted as bytes read + written;
 * W4A16 GEMM on the Llama-2-7B and Llama-3-8B linear shapes (qkv, o, gate_up, down) for every M
   in ``M_VALUES``: our launcher (auto path, tuned where ``kernels/configs`` has this GPU) and each forced
-  path (``swap_ab`` at its built-in tile), torch fp16 matmul (cuBLAS)
+  path (``swap_ab`` at its built-in tile; at ``F32_DECODE_M`` tiled and swap_ab also with the fp32 weight
+  decode, ``*_f32decode_us``), torch fp16 matmul (cuBLAS)
   on the dense weight, and AutoAWQ's Triton GEMM when ``.oracle/`` holds autoawq 0.2.9
   (``pip download --no-deps autoawq==0.2.9 -d .oracle`` and unpack; never committed);
 * paged-attention decode, batch x context in ``ATTN_BATCHES`` x ``ATTN_CONTEXTS``, fp16 and INT8
@@ -37,6 +38,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 M_VALUES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
+F32_DECODE_M = (16, 64)  # also time tiled / swap_ab with the fp32 weight decode (LIGHTINFER_F16_DECODE=0) here
 GROUP_SIZE = 128
 # (model, layer) -> (K, N): y[M, N] = x[M, K] @ W[K, N]
 LINEAR_SHAPES: dict[str, tuple[int, int]] = {
@@ -144,6 +146,13 @@ def bench_gemm(quick: bool, oracle_dir: Path, m_values: list[int]) -> list[dict[
                     continue
                 row[f"{path}_us"] = bench_us(lambda x=x, p=path, ws=w4_sets: [wg.w4a16_gemm_path(x, *w, path=p) for w in ws],
                                             quick, nw4)
+                if path in ("tiled", "swap_ab") and m in F32_DECODE_M:  # this GPU's gain of the fp16 pair decode
+                    os.environ[wg.F16_DECODE_ENV_VAR] = "0"
+                    try:
+                        row[f"{path}_f32decode_us"] = bench_us(
+                            lambda x=x, p=path, ws=w4_sets: [wg.w4a16_gemm_path(x, *w, path=p) for w in ws], quick, nw4)
+                    finally:
+                        os.environ.pop(wg.F16_DECODE_ENV_VAR)
             row["cublas_fp16_us"] = bench_us(lambda x=x, ws=fp_sets: [torch.nn.functional.linear(x, w) for w in ws], quick, nfp)
             if awq_sets:
                 try:
