@@ -247,8 +247,9 @@ class Pipeline:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
             return [prompts], True
         if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"a pipeline takes a prompt (a string or a list of messages) or a list of prompts, "
-                             f"got {type(prompts).__name__}")
+            raise ValueError(  # noqa: TRY004 - every bad input is a ValueError here
+                f"a pipeline takes a prompt (a string or a list of messages) or a list of prompts, "
+                f"got {type(prompts).__name__}")
         return list(prompts), False
 
     def __call__(self, prompts: object, gen_config: SamplingParams | None = None, **kwargs: object

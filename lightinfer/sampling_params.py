@@ -58,8 +58,10 @@ class SamplingParams:
                                       or not all(isinstance(s, str) for s in self.stop)):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         self.stop = [s for s in (self.stop or []) if s]
-        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, (list, tuple, set, frozenset, type(None))):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        ids = self.stop_token_ids
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset, type(None))):
+            raise ValueError(  # noqa: TRY004 - every bad input is a ValueError here
+                f"stop_token_ids must be a list of token ids, got {ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lightinfer import LLM, SamplingParams, pipeline
-from lightinfer.loader import Checkpoint
 from lightinfer.llm import Pipeline
+from lightinfer.loader import Checkpoint
 from tests.conftest import write_tiny_checkpoint
 
 
