@@ -41,6 +41,8 @@ class ErrorResponse(BaseModel):
 
 # ---------------------------------------------------------------------------- requests
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
@@ -76,7 +78,9 @@ class _SamplingRequest(BaseModel):
     """Fields shared by chat and text completions."""
 
     # allow_inf_nan=False: NaN/inf are a "finite number" error, not a confusing range one
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # strict: a JSON true is not max_tokens=1, nor "0.5" a temperature (OpenAI refuses both; ints still pass
+    # for float fields)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
     model: str
     n: int = Field(1, ge=1, le=16)
@@ -123,7 +127,7 @@ class ChatMessage(BaseModel):
     """A message; ``content`` is a string or a list of text parts (other part types: 400). It is required, as
     OpenAI requires it of every message without tool calls (which this server does not take)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart]

@@ -117,6 +117,18 @@ def test_400_body_not_an_object_or_not_finite(fake_server: LiveServer) -> None:
     assert r.status_code == 400 and "finite number" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("extra", ['"max_tokens": true', '"stream": "yes"', '"temperature": "0.5"', '"n": 1.5',
+                                   '"stream": true, "stream_options": {"include_usage": "yes"}'])
+def test_400_wrong_json_types_are_not_coerced(fake_server: LiveServer, extra: str) -> None:
+    """As OpenAI: true is not max_tokens=1 and "0.5" not a temperature (pydantic's lax mode took both)."""
+    h = {"Authorization": "Bearer test-key", "Content-Type": "application/json"}
+    body = '{"model": "' + MODEL + '", "messages": [{"role": "user", "content": "hi"}], ' + extra + "}"
+    r = httpx.post(f"{fake_server.url}/v1/chat/completions", content=body.encode(), headers=h)
+    assert r.status_code == 400 and "Input should be a valid" in r.json()["error"]["message"], r.text
+    ok = '{"model": "' + MODEL + '", "messages": [{"role": "user", "content": "hi"}], "temperature": 1, "max_tokens": 2}'
+    assert httpx.post(f"{fake_server.url}/v1/chat/completions", content=ok.encode(), headers=h).status_code == 200
+
+
 def test_400_prompt_longer_than_context(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x" * 600}])
