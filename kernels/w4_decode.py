@@ -12,7 +12,8 @@ The tensor-core kernels with fp16 activations decode two weights per instruction
 (:func:`unpack_minus_zero_f16`): the same exponent trick on both 16-bit halves of a register gives an
 fp16 pair, which is the MMA operand's own format. Triton does 16-bit integer work one element at a
 time (an ``and``/``or`` per weight and PRMTs to pack the pairs: tried, 7.0 instructions per weight), so
-the pair decode is five PTX instructions per word in ``tl.inline_asm_elementwise``.
+the pair decode is nine PTX instructions per word in ``tl.inline_asm_elementwise``
+(:func:`decode_minus_zero` picks the decode, :func:`scale_rows` applies the scale in the same precision).
 """
 
 from __future__ import annotations
@@ -104,6 +105,29 @@ def unpack_minus_zero_f16(words, z, BLOCK_K: tl.constexpr, USE_PTX: tl.constexpr
         nibbles = (words[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 15
         biased = tl.reshape(nibbles.to(tl.float16) + 1024.0, (words.shape[0], BLOCK_K))
     return biased - (z.to(tl.float16) + 1024.0)[:, None]
+
+
+@triton.jit
+def decode_minus_zero(words, z, nibble_mask, BLOCK_K: tl.constexpr, F16_DECODE: tl.constexpr, USE_PTX: tl.constexpr):
+    """Exact ``q - z`` ``[R, BLOCK_K]`` of int32 words ``[R, BLOCK_K // 8]``: fp16 pairs with ``F16_DECODE``
+    (:func:`unpack_minus_zero_f16`), else fp32 (:func:`unpack_minus_zero`)."""
+    if F16_DECODE:
+        qz = unpack_minus_zero_f16(words, z, BLOCK_K, USE_PTX)
+    else:
+        qz = unpack_minus_zero(words, z, nibble_mask, BLOCK_K)
+    return qz
+
+
+@triton.jit
+def scale_rows(qz, s, dtype: tl.constexpr, F16_DECODE: tl.constexpr):
+    """``(q - z) * s`` per weight row (``s [R]`` fp32) in ``dtype``. An fp16 ``q - z`` (at most 5 significant bits)
+    times an fp16 scale is rounded once either way, so the fp16 multiply (HMUL2: two weights per instruction)
+    gives the same bits as the fp32 product rounded to fp16."""
+    if F16_DECODE:
+        w = qz * s.to(tl.float16)[:, None]
+    else:
+        w = (qz * s[:, None]).to(dtype)
+    return w
 
 
 @triton.jit

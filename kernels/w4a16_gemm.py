@@ -54,13 +54,13 @@ from ._common import (
 from .pdl import pdl_launch, pdl_start
 from .w4_decode import (
     NIBBLE_MASK,
+    decode_minus_zero,
     k_split_begin,
     k_step_scales,
     nibble_minus_zero,
+    scale_rows,
     split_columns_mod4,
     store_output,
-    unpack_minus_zero,
-    unpack_minus_zero_f16,
 )
 from .w4a16_tiled import w4a16_tiled_kernel
 from .w4a16_tuning import W4Launch, check_launch, tuned_launch
@@ -257,10 +257,9 @@ def _w4_dequant_kernel(
                     mask=n_mask[:, None], other=0)
     s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    if F16_DECODE:  # fp16 output: pairs decoded and scaled two per instruction, the same bits (scale_rows)
-        w = unpack_minus_zero_f16(words, z, GROUP_SIZE, USE_PTX) * s.to(tl.float16)[:, None]
-    else:
-        w = unpack_minus_zero(words, z, nibble_mask, GROUP_SIZE) * s[:, None]
+    # fp16 output: pairs decoded and scaled two per instruction, the same bits as the fp32 decode
+    w = scale_rows(decode_minus_zero(words, z, nibble_mask, GROUP_SIZE, F16_DECODE, USE_PTX), s,
+                   w_ptr.dtype.element_ty, F16_DECODE)
     offs_k = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
     tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], w.to(w_ptr.dtype.element_ty),
              mask=n_mask[:, None] & (offs_k[None, :] < K))

@@ -24,17 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .w4_decode import k_split_begin, k_step_scales, store_output, unpack_minus_zero, unpack_minus_zero_f16
-
-
-@triton.jit
-def scale_rows(qz, s, dtype: tl.constexpr, F16_DECODE: tl.constexpr):
-    """``(q - z) * s`` per weight row in the MMA's ``dtype``. An fp16 ``q - z`` (at most 5 significant bits) times an
-    fp16 scale is rounded once either way, so the fp16 multiply (HMUL2: two weights per instruction) gives the
-    same bits as the fp32 product rounded to fp16."""
-    if F16_DECODE:
-        return qz * s.to(tl.float16)[:, None]
-    return (qz * s[:, None]).to(dtype)
+from .w4_decode import decode_minus_zero, k_split_begin, k_step_scales, scale_rows, store_output
 
 
 @triton.jit
@@ -83,10 +73,7 @@ def w4a16_tiled_kernel(
         words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :],
                         mask=n_mask[:, None], other=0)  # [BLOCK_N, BLOCK_K // 8]
         # [BLOCK_N, BLOCK_K]: q - z, exact; with fp16 activations already fp16, two weights per instruction
-        if F16_DECODE:
-            qz = unpack_minus_zero_f16(words, z, BLOCK_K, USE_PTX)
-        else:
-            qz = unpack_minus_zero(words, z, nibble_mask, BLOCK_K)
+        qz = decode_minus_zero(words, z, nibble_mask, BLOCK_K, F16_DECODE, USE_PTX)
         # One K step is one group, so for small token tiles the scale waits until after the dot: one
         # multiply per output instead of one per weight, and q - z enters the tensor cores exactly (sm_90,
         # 16 rows: 6.95 -> 6.11 instructions per weight). Larger tiles lose: the extra accumulator costs
