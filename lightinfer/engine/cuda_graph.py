@@ -32,11 +32,11 @@ from lightinfer.layers.embed_head import VocabEmbedding
 logger = logging.getLogger("lightinfer")
 
 SMALL_BATCH_SIZES = (1, 2, 4, 8)
+BATCH_SIZE_STEP = 16  # above 8: every multiple of 16, as vLLM does (padding <= 15 rows)
 
 
 class CudaGraphCaptureError(RuntimeError):
     """Capturing the decode graphs failed, so the engine did not start (:meth:`ModelRunner._capture_graphs`)."""
-BATCH_SIZE_STEP = 16  # above 8: every multiple of 16, as vLLM does (padding <= 15 rows)
 
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
