@@ -59,10 +59,10 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         self.stop = [s for s in (self.stop or []) if s]
         ids = self.stop_token_ids
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset, type(None))):
+        if not isinstance(ids, (list, tuple, set, frozenset, type(None))):  # a string would split into characters
             raise ValueError(  # noqa: TRY004 - every bad input is a ValueError here
                 f"stop_token_ids must be a list of token ids, got {ids!r}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = list(ids or [])
         self.validate()
 
     def validate(self) -> None:
