@@ -1,0 +1,3 @@
+from lightinfer.kernels._common import SplitKPartials
+
+__all__ = ["SplitKPartials"]

@@ -94,6 +94,8 @@ class Attention(nn.Module):
     the pool; see ``kernels/reference.py`` for the layout.
     """
 
+    accepts_split_k_partials = True  # forward_qkv sums a fused qkv GEMM's partials (layers/fusion.py)
+
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads

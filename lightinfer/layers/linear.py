@@ -67,7 +67,7 @@ class W4A16Linear(nn.Module):
         self.register_buffer("zeros", torch.zeros(num_groups, out_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         # On the Triton path, return a split K unreduced (SplitKPartials) for the next op to sum as it
-        # loads it: set by the model where that op takes partials (the norm after o/down, SiLU after gate/up).
+        # loads it: set by the fusion pass (layers/fusion.py) where the model declares that op takes partials.
         self.defer_reduce = False
         self._dense: torch.Tensor | None = None  # CPU only: the weight dequantized once, [out, in]
         self._packed: PackedWeight | None = None  # CPU only: that weight prepacked (cpu_gemm)
