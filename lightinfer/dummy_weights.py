@@ -31,9 +31,9 @@ def dummy_awq_config(hf_config: object) -> dict:
     Raises:
         ValueError: no such group size (tiny or unusual shapes).
     """
-    from lightinfer.models.llama import linear_input_sizes
+    from lightinfer.models.registry import get_model_class
 
-    sizes = tuple(linear_input_sizes(hf_config).values())
+    sizes = tuple(get_model_class(hf_config).linear_input_sizes(hf_config).values())
     for g in AWQ_GROUP_SIZES:
         if all(s % g == 0 for s in sizes):
             return {"quant_method": "awq", "bits": 4, "group_size": g, "version": "gemm", "zero_point": True,

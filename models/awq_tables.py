@@ -1,5 +1,6 @@
 """Per-architecture AWQ tables: which linears of a decoder layer share one input, and the op
-whose output is that input (where AWQ folds the inverse of its per-channel scales).
+whose output is that input (where AWQ folds the inverse of its per-channel scales). The quantizer
+reaches a model's table through its class (``CausalLM.awq_table``, ``models/base.py``).
 
 Names are submodule paths inside one decoder layer (Hugging Face names, as in ``llama.py``).
 ``prev_op`` is an RMSNorm (its ``weight`` is divided by the scales) or a linear (its output
@@ -50,6 +51,9 @@ class AwqTable:
         return tuple(seen)
 
 
+# Llama and Mistral; Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm after the projections) have the
+# same sharing, so their classes inherit it: the biases are handled by the fold, and q_norm/k_norm
+# act per head after q_proj/k_proj, which does not touch their input.
 LLAMA_TABLE = AwqTable(
     groups=(
         ScaleGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
@@ -58,26 +62,3 @@ LLAMA_TABLE = AwqTable(
         ScaleGroup("mlp.up_proj", ("mlp.down_proj",)),
     )
 )
-
-# Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm after the projections) have the same sharing:
-# the biases are handled by the fold, and q_norm/k_norm act per head after q_proj/k_proj,
-# which does not touch their input.
-AWQ_TABLES: dict[str, AwqTable] = {
-    "LlamaForCausalLM": LLAMA_TABLE,
-    "MistralForCausalLM": LLAMA_TABLE,
-    "Qwen2ForCausalLM": LLAMA_TABLE,
-    "Qwen3ForCausalLM": LLAMA_TABLE,
-}
-
-
-def get_awq_table(arch: str) -> AwqTable:
-    """The table for architecture ``arch``.
-
-    Raises:
-        ValueError: unsupported architecture, listing the supported ones.
-    """
-    if arch not in AWQ_TABLES:
-        raise ValueError(
-            f"architecture {arch} cannot be quantized; supported: {', '.join(sorted(AWQ_TABLES))}"
-        )
-    return AWQ_TABLES[arch]

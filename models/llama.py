@@ -1,19 +1,25 @@
 """Llama-family decoder (Llama 2, Llama 3 incl. llama3 rope scaling, Mistral, SmolLM2).
 
 Parameter names follow Hugging Face so checkpoints load by name. Qwen2 (q/k/v bias) and Qwen3
-(q/k RMSNorm) reuse these classes with flags, see ``qwen2.py`` and ``qwen3.py``.
+(q/k RMSNorm) reuse these classes with flags, see ``qwen2.py`` and ``qwen3.py``. Each module's
+``fusion_plan`` says which projections share an input and where their outputs go; the model
+runner's fusion pass (``layers/fusion.py``) turns that into fused GEMMs after loading.
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
-from lightinfer.kernels._common import SplitKPartials
+from lightinfer.models.awq_tables import LLAMA_TABLE, AwqTable
+from lightinfer.models.base import CausalLM
 from torch import nn
 
 from lightinfer.layers.activation import SiluAndMul
 from lightinfer.layers.attention import Attention
 from lightinfer.layers.embed_head import LMHead, VocabEmbedding
-from lightinfer.layers.linear import Linear, W4A16Linear, fuse_linears, make_linear
+from lightinfer.layers.fusion import RESIDUAL, Feeds, Fuse, FusionPlan, materialize
+from lightinfer.layers.linear import make_linear
 from lightinfer.layers.norm import RMSNorm
 from lightinfer.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -24,14 +30,6 @@ def head_dim_of(hf_config: object) -> int:
     return int(head_dim) if head_dim else hf_config.hidden_size // hf_config.num_attention_heads
 
 
-def linear_input_sizes(hf_config: object) -> dict[str, int]:
-    """The input sizes of the decoder's linear layers, by config field (what a group size must
-    divide): q/k/v and gate/up read ``hidden_size``, o reads heads x head_dim, down reads
-    ``intermediate_size``."""
-    return {"hidden_size": hf_config.hidden_size, "intermediate_size": hf_config.intermediate_size,
-            "num_attention_heads * head_dim": hf_config.num_attention_heads * head_dim_of(hf_config)}
-
-
 def rotary_embedding_of(hf_config: object) -> RotaryEmbedding:
     """The model's rotary table (fp32 cos/sin ``[max_position_embeddings, head_dim // 2]``)."""
     theta, scaling = rope_parameters(hf_config)
@@ -39,7 +37,11 @@ def rotary_embedding_of(hf_config: object) -> RotaryEmbedding:
 
 
 class LlamaAttention(nn.Module):
-    """q/k/v projections, optional per-head q/k RMSNorm, RoPE, paged attention, o projection."""
+    """q/k/v projections, optional per-head q/k RMSNorm, RoPE, paged attention, o projection.
+
+    After the fusion pass ``qkv_proj`` replaces q/k/v; without q/k norms its output goes straight
+    into the attention's RoPE + KV-cache write (``Attention.forward_qkv``).
+    """
 
     def __init__(
         self, hf_config: object, layer_idx: int, quant_config: dict | None, dtype: torch.dtype,
@@ -60,15 +62,10 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype) if qk_norm else None
         self.rotary_emb = rotary_emb if rotary_emb is not None else rotary_embedding_of(c)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
-        self.qkv_proj: nn.Module | None = None  # set by fuse_projections()
-
-    def fuse_projections(self) -> None:
-        """Replace q/k/v by one ``qkv_proj`` (after loading; the quantizer keeps them apart)."""
-        fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
-        if fused is not None:
-            self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = fused, None, None, None
-            if isinstance(fused, W4A16Linear) and self.q_norm is None:
-                fused.defer_reduce = True  # Attention.forward_qkv sums its split-K partials
+        self.qkv_proj: nn.Module | None = None  # set by the fusion pass
+        # With q/k norms the fused output is split and normed first: it does not go into attn as it is.
+        self.fusion_plan = FusionPlan(fuse=(Fuse("qkv_proj", ("q_proj", "k_proj", "v_proj")),),
+                                      feeds=() if qk_norm else (Feeds("qkv_proj", "attn"),))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """positions ``[T]``, hidden ``[T, hidden]`` -> ``[T, hidden]``."""
@@ -89,7 +86,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))``."""
+    """``down(silu(gate(x)) * up(x))``; after the fusion pass ``gate_up_proj`` replaces gate/up."""
+
+    fusion_plan = FusionPlan(fuse=(Fuse("gate_up_proj", ("gate_proj", "up_proj")),),
+                             feeds=(Feeds("gate_up_proj", "act_fn"),))
 
     def __init__(self, hf_config: object, layer_idx: int, quant_config: dict | None, dtype: torch.dtype) -> None:
         super().__init__()
@@ -100,15 +100,7 @@ class LlamaMLP(nn.Module):
         self.up_proj = make_linear(h, i, bias, dtype, quant_config, f"{p}.up_proj")
         self.down_proj = make_linear(i, h, bias, dtype, quant_config, f"{p}.down_proj")
         self.act_fn = SiluAndMul()
-        self.gate_up_proj: nn.Module | None = None  # set by fuse_projections()
-
-    def fuse_projections(self) -> None:
-        """Replace gate/up by one ``gate_up_proj`` (after loading; the quantizer keeps them apart)."""
-        fused = fuse_linears([self.gate_proj, self.up_proj])
-        if fused is not None:
-            self.gate_up_proj, self.gate_proj, self.up_proj = fused, None, None
-            if isinstance(fused, W4A16Linear):
-                fused.defer_reduce = True  # silu_and_mul sums its split-K partials
+        self.gate_up_proj: nn.Module | None = None  # set by the fusion pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
@@ -123,6 +115,10 @@ class LlamaDecoderLayer(nn.Module):
 
     qkv_bias = False
     qk_norm = False
+    # o_proj's output is the x of post_attention_layernorm's residual add; down_proj's is the block's
+    # output, which the next block's input norm (or the final norm) adds to the residual.
+    fusion_plan = FusionPlan(feeds=(Feeds("self_attn.o_proj", "post_attention_layernorm"),
+                                    Feeds("mlp.down_proj", RESIDUAL)))
 
     def __init__(
         self, hf_config: object, layer_idx: int, quant_config: dict | None = None, dtype: torch.dtype = torch.float32,
@@ -139,17 +135,11 @@ class LlamaDecoderLayer(nn.Module):
         )
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(hf_config, layer_idx, quant_config, dtype)
-        # Their outputs go to a fused add + RMSNorm, which sums split-K partials as it loads them.
-        for linear in (self.self_attn.o_proj, self.mlp.down_proj):
-            if isinstance(linear, W4A16Linear):
-                linear.defer_reduce = True
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """positions ``[T]``, hidden ``[T, hidden]`` -> the block's output ``[T, hidden]`` (residual added)."""
         out, residual = self.forward_fused(positions, hidden_states, None)
-        if isinstance(out, SplitKPartials):
-            out = out.reduced()
-        return residual + out
+        return residual + materialize(out)
 
     def forward_fused(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -160,8 +150,8 @@ class LlamaDecoderLayer(nn.Module):
         ``residual`` is None); the input norm adds them in the same kernel. Returns ``(mlp_out,
         residual)``, whose sum is the block's output: the next block's input norm, or the final norm,
         adds them, which saves a separate add kernel per layer on the GPU. On the Triton path
-        ``mlp_out`` (and so ``hidden_states``) may be a W4A16 GEMM's unreduced
-        :class:`SplitKPartials`, which that norm sums as it loads them.
+        ``mlp_out`` (and so ``hidden_states``) may be a W4A16 GEMM's unreduced split-K partials
+        (the fusion pass defers ``down_proj``'s reduction), which that norm sums as it loads them.
         """
         if residual is None:
             normed, residual = self.input_layernorm(hidden_states), hidden_states
@@ -202,12 +192,13 @@ class LlamaModel(nn.Module):
         return self.norm(hidden, residual)[0]
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """The causal LM: ``forward(input_ids [T], positions [T]) -> hidden [T, hidden]`` and
     ``compute_logits(hidden [S, hidden]) -> fp32 [S, vocab]``; attention metadata comes from
-    ``lightinfer.layers.attention.set_context``."""
+    ``lightinfer.layers.attention.set_context``. See :class:`CausalLM`."""
 
-    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    decoder_layer_cls: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
+    awq_table: ClassVar[AwqTable | None] = LLAMA_TABLE
 
     def __init__(self, hf_config: object, quant_config: dict | None = None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -218,20 +209,13 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def fuse_projections(self) -> None:
-        """Fuse q/k/v and gate/up into single GEMMs in every layer, in place (inference only:
-        call it after the weights are loaded; HF parameter names no longer apply afterwards)."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse_projections()
-            layer.mlp.fuse_projections()
-
-    def pack_for_cpu(self) -> None:
-        """Prepack every fp32 CPU weight for the oneDNN GEMM (``layers/cpu_gemm.py``), in place;
-        inference only, after loading (and after :meth:`fuse_projections`)."""
-        for module in self.modules():
-            if isinstance(module, (Linear, W4A16Linear)):
-                module.pack_for_cpu()
-        self.lm_head.pack_for_cpu(keep_weight=self.tie_word_embeddings)
+    @classmethod
+    def linear_input_sizes(cls, hf_config: object) -> dict[str, int]:
+        """The input sizes of the decoder's linear layers, by config field (what a group size must
+        divide): q/k/v and gate/up read ``hidden_size``, o reads heads x head_dim, down reads
+        ``intermediate_size``."""
+        return {"hidden_size": hf_config.hidden_size, "intermediate_size": hf_config.intermediate_size,
+                "num_attention_heads * head_dim": hf_config.num_attention_heads * head_dim_of(hf_config)}
 
     def forward(
         self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None

@@ -1,13 +1,14 @@
-"""Model classes by Hugging Face ``architectures`` name."""
+"""Model classes by Hugging Face ``architectures`` name; each implements :class:`CausalLM`
+(``models/base.py``), through which the engine and the quantizer reach per-architecture facts."""
 
 from __future__ import annotations
 
+from lightinfer.models.base import CausalLM
 from lightinfer.models.llama import LlamaForCausalLM
 from lightinfer.models.qwen2 import Qwen2ForCausalLM
 from lightinfer.models.qwen3 import Qwen3ForCausalLM
-from torch import nn
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -27,7 +28,7 @@ def architecture_of(hf_config: object) -> str:
     return _BY_MODEL_TYPE.get(model_type, f"<model_type {model_type!r}>")
 
 
-def get_model_class(hf_config: object) -> type[nn.Module]:
+def get_model_class(hf_config: object) -> type[CausalLM]:
     """The lightinfer class for ``hf_config``.
 
     Raises:
@@ -39,3 +40,8 @@ def get_model_class(hf_config: object) -> type[nn.Module]:
             f"architecture {arch} is not supported; supported: {', '.join(sorted(MODEL_REGISTRY))}"
         )
     return MODEL_REGISTRY[arch]
+
+
+def quantizable_architectures() -> list[str]:
+    """The registered architectures ``quantize`` handles (their class has an AWQ table), sorted."""
+    return sorted(arch for arch, cls in MODEL_REGISTRY.items() if cls.awq_table is not None)

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from lightinfer.models.awq_tables import AwqTable, get_awq_table
 from lightinfer.quant.config import QuantConfig
 from lightinfer.quant.export import AtomicOutputDir, check_output_dir, write_checkpoint
 
@@ -66,18 +65,6 @@ class QuantSummary:
         ])
 
 
-def _linear_shapes(hf_config: object, table: AwqTable) -> dict[str, tuple[int, int]]:
-    """``(out_features, in_features)`` of each linear of one decoder layer, from the config."""
-    from lightinfer.models.llama import head_dim_of
-
-    h, i = hf_config.hidden_size, hf_config.intermediate_size
-    hd = head_dim_of(hf_config)
-    q, kv = hf_config.num_attention_heads * hd, hf_config.num_key_value_heads * hd
-    known = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-             "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
-    return {n: known[n] for n in table.linears}
-
-
 def _peak_memory(device: torch.device) -> tuple[int, str]:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "GPU, torch.cuda.max_memory_allocated"
@@ -110,7 +97,7 @@ def quantize(
         FileNotFoundError: ``src`` or the calibration file not found.
         KeyboardInterrupt: re-raised after removing the temporary output.
     """
-    from lightinfer.models.registry import architecture_of, get_model_class
+    from lightinfer.models.registry import architecture_of, get_model_class, quantizable_architectures
 
     from lightinfer.loader import Checkpoint
 
@@ -122,9 +109,13 @@ def quantize(
     if ckpt.quant_config is not None:
         raise ValueError(f"{src} is already quantized ({ckpt.quant_config.get('quant_method')}); give full-precision weights")
     arch = architecture_of(hf)
-    table = get_awq_table(arch)
-    model_cls = get_model_class(hf)
-    shapes = _linear_shapes(hf, table)
+    model_cls = get_model_class(hf)  # an architecture we do not run: the message lists those we do
+    table = model_cls.awq_table
+    if table is None:
+        raise ValueError(f"architecture {arch} cannot be quantized; supported: {', '.join(quantizable_architectures())}")
+    # (out_features, in_features) of each quantized linear of one decoder layer, in the table's order.
+    all_shapes = model_cls.decoder_linear_shapes(hf)
+    shapes = {n: all_shapes[n] for n in table.linears}
     num_layers = int(hf.num_hidden_layers)
     keep_fp = tuple(n for n in shapes if cfg.skips(n))
     in_features = {f"model.layers.0.{n}": k for n, (_, k) in shapes.items() if n not in keep_fp}

@@ -85,9 +85,10 @@ def check_quant_config(qc: dict | None, hf_config: object) -> None:
                 f"{', '.join(f'{k}={v!r}' for k, v in SUPPORTED_AWQ.items())} (AutoAWQ 'gemm' format)"
             )
     group = qc.get("group_size")
-    from lightinfer.models.llama import linear_input_sizes
+    from lightinfer.models.registry import get_model_class
 
-    bad = {k: v for k, v in linear_input_sizes(hf_config).items() if not isinstance(group, int) or group <= 0 or v % group}
+    sizes = get_model_class(hf_config).linear_input_sizes(hf_config)
+    bad = {k: v for k, v in sizes.items() if not isinstance(group, int) or group <= 0 or v % group}
     if bad:
         raise ValueError(f"quantization_config.group_size={group!r} must be a positive divisor of every quantized "
                          f"layer's input size; it does not divide {', '.join(f'{k}={v}' for k, v in bad.items())}")

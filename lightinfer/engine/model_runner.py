@@ -23,6 +23,7 @@ from lightinfer.engine.scheduler import SchedulerOutput
 from lightinfer.engine.step_inputs import StepInputs, block_table_tensor, build_step_inputs, select_rows
 from lightinfer.layers.attention import Attention, AttentionMetadata, set_context
 from lightinfer.layers.embed_head import VocabEmbedding
+from lightinfer.layers.fusion import fuse_model
 from lightinfer.layers.linear import W4A16Linear
 from lightinfer.loader import Checkpoint, load_weights
 from lightinfer.models.registry import get_model_class
@@ -64,7 +65,7 @@ class ModelRunner:
             init_dummy_weights(self.model, config.seed)
         else:
             load_weights(self.model, checkpoint)
-        self.model.fuse_projections()  # q/k/v and gate/up as single GEMMs
+        fuse_model(self.model)  # q/k/v and gate/up as single GEMMs; split-K sums left to the op that follows
         self.model.eval()
         # The input embedding when it lives in host memory on a GPU engine (rows gathered there).
         self.host_embedding: VocabEmbedding | None = None

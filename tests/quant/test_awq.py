@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from lightinfer.models.awq_tables import get_awq_table
+from lightinfer.models.llama import LlamaForCausalLM
 from lightinfer.models.registry import get_model_class
 from lightinfer.quant.awq import InputStats, quantize_layer, search_scales
 from lightinfer.quant.primitives import dequantize, fake_quantize
@@ -52,7 +52,7 @@ def _with_weights(layer: torch.nn.Module, tensors: dict[str, torch.Tensor], pref
 @pytest.mark.parametrize("num_kv_heads", [4, 2])  # 4: v->o fold used; 2 (GQA): skipped
 def test_fold_preserves_function_and_awq_beats_rtn(num_kv_heads: int) -> None:
     layer, cfg = _layer(num_kv_heads)
-    table = get_awq_table("LlamaForCausalLM")
+    table = LlamaForCausalLM.awq_table
     seq_len = 32
     x = torch.randn(8 * seq_len, cfg.hidden_size)
     ref = _run(layer, x, seq_len)
@@ -100,4 +100,4 @@ def test_nan_weight_is_reported_with_its_name() -> None:
         layer.mlp.up_proj.weight[0, 0] = float("inf")
     x = torch.randn(64, cfg.hidden_size)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight"):
-        quantize_layer(layer, get_awq_table("LlamaForCausalLM"), [x], 32, 32, 20, 0.5, "model.layers.0")
+        quantize_layer(layer, LlamaForCausalLM.awq_table, [x], 32, 32, 20, 0.5, "model.layers.0")

@@ -1,0 +1,93 @@
+"""``CausalLM``: what the engine, model runner, loader and quantizer use of a model class.
+
+Every class in ``models/registry.py`` implements it. The engine reaches class-level facts
+(``linear_input_sizes``, ``awq_table``, ``decoder_layer_cls``) through the registered class
+(``get_model_class(hf_config)``), never by importing one architecture's module, so a new family
+only has to implement this interface and register itself.
+
+How to add a model: build it from ``lightinfer.layers`` with Hugging Face parameter names (so
+checkpoints load by name), declare which projections share an input and where their outputs
+go as a ``fusion_plan`` (``layers/fusion.py``; the model runner applies it after loading), give
+its AWQ table (``awq_tables.py``) if ``quantize`` should handle it, and register it.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import ClassVar
+
+import torch
+from lightinfer.models.awq_tables import AwqTable
+from torch import nn
+
+from lightinfer.layers.embed_head import LMHead, VocabEmbedding
+
+
+class CausalLM(nn.Module, metaclass=abc.ABCMeta):
+    """A decoder-only causal LM over the paged KV cache.
+
+    Constructed as ``cls(hf_config, quant_config=None, dtype=torch.float32)``: ``hf_config`` a
+    transformers config, ``quant_config`` a checkpoint's ``quantization_config`` (None: dense).
+    Attention metadata (slots, block tables) comes from ``lightinfer.layers.attention.set_context``,
+    not from arguments.
+
+    Attributes:
+        config: the transformers config the model was built from.
+        tie_word_embeddings: the LM head shares the input embedding's weight (the loader skips
+            ``lm_head.weight``; CPU packing keeps the shared weight).
+        decoder_layer_cls: class of one decoder layer, buildable alone as
+            ``decoder_layer_cls(hf_config, layer_idx, quant_config=None, dtype=torch.float32)``,
+            with parameter names those of the checkpoint under ``model.layers.{layer_idx}.`` and
+            ``forward(positions [T], hidden [T, hidden]) -> [T, hidden]`` (the quantizer runs
+            the model one layer at a time through it, inside ``no_cache_context``).
+        awq_table: which linears of a decoder layer share which input, for AWQ
+            (``awq_tables.py``); None where ``quantize`` does not handle the architecture.
+    """
+
+    decoder_layer_cls: ClassVar[type[nn.Module]]
+    awq_table: ClassVar[AwqTable | None] = None
+
+    config: object
+    tie_word_embeddings: bool
+
+    @abc.abstractmethod
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``input_ids`` int64 ``[T]`` (or ``inputs_embeds [T, hidden]``, already embedded; then
+        ``input_ids`` may be None), ``positions`` int64 ``[T]`` -> final hidden states ``[T, hidden]``."""
+
+    @abc.abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [S, hidden]`` -> fp32 logits ``[S, vocab]``."""
+
+    @property
+    @abc.abstractmethod
+    def embed_tokens(self) -> VocabEmbedding:
+        """The input embedding (the engine may keep it in host memory, see ``offload_to_host``)."""
+
+    @classmethod
+    def decoder_linear_shapes(cls, hf_config: object) -> dict[str, tuple[int, int]]:
+        """``(out_features, in_features)`` of every linear of one decoder layer, by submodule path
+        (``"self_attn.q_proj"``), read from a layer built on the meta device (allocates nothing)."""
+        with torch.device("meta"):
+            layer = cls.decoder_layer_cls(hf_config, 0, quant_config=None, dtype=torch.float32)
+        return {name: (m.out_features, m.in_features) for name, m in layer.named_modules()
+                if hasattr(m, "in_features") and hasattr(m, "out_features")}
+
+    @classmethod
+    def linear_input_sizes(cls, hf_config: object) -> dict[str, int]:
+        """The input sizes of the decoder's linears (what a quantization group size must divide),
+        keyed by a name for error messages. Default: each linear's ``in_features`` by path;
+        architectures may name them by config field instead."""
+        return {f"{name}.in_features": k for name, (_, k) in cls.decoder_linear_shapes(hf_config).items()}
+
+    def pack_for_cpu(self) -> None:
+        """Prepack every fp32 CPU weight for the oneDNN GEMM (``layers/cpu_gemm.py``), in place;
+        inference only, after loading and after ``layers.fusion.fuse_model``. Every layer with a
+        ``pack_for_cpu()`` (the linears) is packed; the LM head keeps a tied weight."""
+        for module in self.modules():
+            if isinstance(module, LMHead):
+                module.pack_for_cpu(keep_weight=self.tie_word_embeddings)
+            elif module is not self and callable(getattr(module, "pack_for_cpu", None)):
+                module.pack_for_cpu()

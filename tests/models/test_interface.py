@@ -1,0 +1,112 @@
+"""The model interface (models/base.py) and the models' import boundary."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from lightinfer.models.base import CausalLM
+from lightinfer.models.llama import head_dim_of
+from lightinfer.models.registry import MODEL_REGISTRY, get_model_class, quantizable_architectures
+
+MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
+# What models/ may import: the layers, each other, torch and a few standard modules.
+ALLOWED = ("lightinfer.layers", "lightinfer.models", "torch", "__future__", "abc", "dataclasses", "typing")
+
+
+def _imports(path: Path) -> list[str]:
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names.append("." * node.level + (node.module or ""))
+    return names
+
+
+def test_models_import_only_layers_and_torch() -> None:
+    files = sorted(MODELS_DIR.glob("*.py"))
+    assert len(files) >= 5
+    bad = {f.name: name for f in files for name in _imports(f)
+           if not any(name == a or name.startswith(a + ".") for a in ALLOWED)}
+    assert bad == {}, f"models/ must import only lightinfer.layers (and torch): {bad}"
+
+
+def test_models_hold_no_kernel_tricks() -> None:
+    for f in MODELS_DIR.glob("*.py"):
+        text = f.read_text()
+        for trick in ("SplitKPartials", "defer_reduce", "fuse_linears", "W4A16Linear", "lightinfer.kernels"):
+            assert trick not in text, f"{f.name} mentions {trick}: that belongs in layers/ (layers/fusion.py)"
+
+
+def _config(arch: str, **extra: object) -> object:
+    cls = {"LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig,
+           "Qwen2ForCausalLM": transformers.Qwen2Config, "Qwen3ForCausalLM": transformers.Qwen3Config}[arch]
+    cfg = cls(vocab_size=128, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
+              num_key_value_heads=2, head_dim=32, **extra)
+    cfg.architectures = [arch]
+    return cfg
+
+
+@pytest.mark.parametrize("arch", sorted(MODEL_REGISTRY))
+def test_every_registered_class_implements_the_interface(arch: str) -> None:
+    cfg = _config(arch)
+    cls = get_model_class(cfg)
+    assert issubclass(cls, CausalLM) and cls.awq_table is not None
+    with torch.device("meta"):
+        model = cls(cfg, None, torch.float32)
+    assert model.config is cfg and model.tie_word_embeddings is False
+    assert model.embed_tokens.weight.shape == (128, 96)
+    t = 3
+    with torch.device("meta"):  # shapes only: the attention path is exercised by the engine tests
+        logits = model.compute_logits(torch.empty(t, 96))
+    assert logits.shape == (t, 128) and logits.dtype == torch.float32
+    # The shapes the quantizer uses, exactly those of the hand-written table it replaced.
+    h, i, q, kv = 96, 160, 6 * 32, 2 * 32
+    assert cls.decoder_linear_shapes(cfg) == {
+        "self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+        "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    assert set(cls.awq_table.linears) == set(cls.decoder_linear_shapes(cfg))
+    assert cls.linear_input_sizes(cfg) == {"hidden_size": 96, "intermediate_size": 160,
+                                           "num_attention_heads * head_dim": 6 * head_dim_of(cfg)}
+    assert arch in quantizable_architectures()
+
+
+def test_the_default_linear_input_sizes_come_from_the_layer() -> None:
+    cfg = _config("LlamaForCausalLM")
+    sizes = CausalLM.linear_input_sizes.__func__(get_model_class(cfg), cfg)
+    assert sizes["self_attn.o_proj.in_features"] == 6 * 32 and sizes["mlp.down_proj.in_features"] == 160
+    assert len(sizes) == 7
+
+
+def test_an_incomplete_model_class_cannot_be_built() -> None:
+    class NoLogits(CausalLM):
+        def forward(self, input_ids, positions, inputs_embeds=None):  # type: ignore[no-untyped-def]
+            return positions
+
+        @property
+        def embed_tokens(self):  # type: ignore[no-untyped-def]
+            return None
+
+    with pytest.raises(TypeError, match="compute_logits"):
+        NoLogits()
+
+
+def test_pack_for_cpu_packs_every_linear_and_keeps_a_tied_head() -> None:
+    from lightinfer.dummy_weights import init_dummy_weights
+    from lightinfer.layers.cpu_gemm import onednn_gemm_available
+
+    if not onednn_gemm_available():
+        pytest.skip("no prepacked oneDNN GEMM in this torch build")
+    cfg = _config("LlamaForCausalLM", tie_word_embeddings=True)
+    model = get_model_class(cfg)(cfg, None, torch.float32)
+    init_dummy_weights(model, seed=0)
+    linears = [m for m in model.modules() if type(m).__name__ == "Linear"]
+    assert len(linears) == 14
+    model.pack_for_cpu()
+    assert all(m._packed is not None and m.weight is None for m in linears)
+    assert model.lm_head._packed is not None
+    assert model.lm_head.weight is model.embed_tokens.weight  # the embedding still reads it
