@@ -7,7 +7,7 @@ Parameter names follow Hugging Face so checkpoints load by name. Qwen2 (q/k/v bi
 from __future__ import annotations
 
 import torch
-from lightinfer.kernels._common import SplitKPartials
+from lightinfer.kernels import SplitKPartials
 from torch import nn
 
 from lightinfer.layers.activation import SiluAndMul
