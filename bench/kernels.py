@@ -105,6 +105,7 @@ def _load_autoawq(oracle_dir: Path) -> Callable[..., torch.Tensor] | None:
 def bench_gemm(quick: bool, oracle_dir: Path, m_values: list[int]) -> list[dict[str, Any]]:
     """One row per (shape, M): µs and effective GB/s of each implementation."""
     from lightinfer.kernels import reference as ref
+    from lightinfer.kernels import switches
     from lightinfer.kernels import w4a16_gemm as wg
 
     awq = _load_autoawq(oracle_dir)
@@ -147,12 +148,9 @@ def bench_gemm(quick: bool, oracle_dir: Path, m_values: list[int]) -> list[dict[
                 row[f"{path}_us"] = bench_us(lambda x=x, p=path, ws=w4_sets: [wg.w4a16_gemm_path(x, *w, path=p) for w in ws],
                                             quick, nw4)
                 if path in ("tiled", "swap_ab") and m in F32_DECODE_M:  # this GPU's gain of the fp16 pair decode
-                    os.environ[wg.F16_DECODE_ENV_VAR] = "0"
-                    try:
+                    with switches.override(f16_decode=False):
                         row[f"{path}_f32decode_us"] = bench_us(
                             lambda x=x, p=path, ws=w4_sets: [wg.w4a16_gemm_path(x, *w, path=p) for w in ws], quick, nw4)
-                    finally:
-                        os.environ.pop(wg.F16_DECODE_ENV_VAR)
             row["cublas_fp16_us"] = bench_us(lambda x=x, ws=fp_sets: [torch.nn.functional.linear(x, w) for w in ws], quick, nfp)
             if awq_sets:
                 try:
@@ -176,10 +174,9 @@ def bench_gemm(quick: bool, oracle_dir: Path, m_values: list[int]) -> list[dict[
 def bench_attention(quick: bool) -> list[dict[str, Any]]:
     """Paged decode (fp16 and int8 caches) vs SDPA on contiguous fp16 K/V, one layer."""
     import torch.nn.functional as F
+    from lightinfer.kernels import KVCacheSpec, PagedKV
     from lightinfer.kernels.kv_store import store_kvcache
     from lightinfer.kernels.paged_attention import paged_attention_decode
-
-    from lightinfer.engine.kv_cache import KVCacheSpec
 
     h, hkv, d, bs = ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM, ATTN_BLOCK
     rows = []
@@ -200,21 +197,21 @@ def bench_attention(quick: bool) -> list[dict[str, Any]]:
                 kc = torch.empty(num_blocks, bs, hkv, d, device="cuda", dtype=dt)
                 vc = torch.empty_like(kc)
                 if kind == "int8":
-                    cache = KVCacheSpec(1, hkv, d, bs, dt).allocate(num_blocks, torch.device("cuda"))
-                    aux = [cache[name] for name in ("k_scale", "k_zero", "v_scale", "v_zero")]
+                    kv = KVCacheSpec(1, hkv, d, bs, dt).allocate(num_blocks, torch.device("cuda"))
                 elif kind == "int8_token_major":
-                    aux = [torch.empty(num_blocks, bs, hkv, device="cuda", dtype=torch.float16) for _ in range(4)]
+                    kv = PagedKV(kc, vc, *[torch.empty(num_blocks, bs, hkv, device="cuda", dtype=torch.float16)
+                                           for _ in range(4)])
                 else:
-                    aux = [None] * 4
-                store_kvcache(k.view(-1, hkv, d), v.view(-1, hkv, d), kc, vc, slots, *aux)
-                nbytes = 2 * kc.numel() * kc.element_size() + (4 * aux[0].numel() * 2 if kind != "fp16" else 0)
+                    kv = PagedKV(kc, vc)
+                store_kvcache(k.view(-1, hkv, d), v.view(-1, hkv, d), kv, slots)
+                nbytes = sum(t.numel() * t.element_size() for t in kv.tensors())
                 nc = copies_for(nbytes)
-                sets = [(kc, vc, aux)] + [(kc.clone(), vc.clone(), [a if a is None else a.clone() for a in aux])
-                                          for _ in range(nc - 1)]
-                us = bench_us(lambda q=q, t=table, n=lens, cs=sets: [paged_attention_decode(q, c[0], c[1], t, n, d**-0.5, *c[2])
+                sets = [kv] + [PagedKV(*[None if t is None else t.clone() for t in (kv.k, kv.v, *kv.scales)])
+                               for _ in range(nc - 1)]
+                us = bench_us(lambda q=q, t=table, n=lens, cs=sets: [paged_attention_decode(q, c, t, n, d**-0.5)
                                                                 for c in cs], quick, nc)
                 row[f"{kind}_us"], row[f"{kind}_GBps"] = us, nbytes / us / 1e3
-                del kc, vc, aux
+                del kc, vc, kv
             kt, vt = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()  # [B, Hkv, ctx, D]
             q4 = q.unsqueeze(2)  # [B, H, 1, D]
             nc = copies_for(2 * kt.numel() * 2)
@@ -236,9 +233,9 @@ def bench_decode_chain(quick: bool, num_layers: int = 32) -> dict[str, Any]:
     """A batch-1 decode step of the Llama-2-7B shape without attention (per layer: the qkv GEMM and its split-K reduction, a copy standing in for attention, the o GEMM and
     fused add + RMSNorm on its partials, gate/up GEMM, SiLU-mul on its partials, the down GEMM and fused add +
     RMSNorm: 6-7 kernels), replayed as one CUDA graph three ways: programmatic dependent launch off, on,
-    and on with the W4 GEMMs' L2 prefetch (``kernels/pdl.py``). Every layer has its own weights (3.3 GB in all), so nothing is served from the L2."""
+    and on with the W4 GEMMs' L2 prefetch (``kernels/pdl.py``, ``kernels/switches.py``). Every layer has its own weights (3.3 GB in all), so nothing is served from the L2."""
     from lightinfer.kernels import norm_rope as nr
-    from lightinfer.kernels import pdl
+    from lightinfer.kernels import pdl, switches
     from lightinfer.kernels import w4a16_gemm as wg
 
     shapes = {name.split("/")[1]: kn for name, kn in LINEAR_SHAPES.items() if name.startswith("llama2-7b/")}
@@ -265,17 +262,12 @@ def bench_decode_chain(quick: bool, num_layers: int = 32) -> dict[str, Any]:
 
     weight_bytes = sum(t.numel() * t.element_size() for layer in layers for w in layer.values() for t in w)
     out: dict[str, Any] = {"layers": num_layers, "weight_bytes": weight_bytes}
-    saved = os.environ.get(pdl.ENV_VAR)
-    try:
-        for flag, prefetch, key in (("0", "0", "plain"), ("1", "0", "pdl"), ("1", "1", "pdl_prefetch")):
-            os.environ[pdl.ENV_VAR], os.environ[pdl.PREFETCH_ENV_VAR] = flag, prefetch  # read at every launch
+    for flag, prefetch, key in ((False, False, "plain"), (True, False, "pdl"), (True, True, "pdl_prefetch")):
+        with switches.override(pdl=flag, pdl_prefetch=prefetch):  # the launches read them (at graph capture)
             if key == "pdl":
                 out["pdl_enabled"] = pdl.pdl_enabled(torch.device("cuda"))  # False before sm_90: then all are plain
             out[f"{key}_us"] = bench_us(step, quick)
             out[f"{key}_GBps"] = weight_bytes / out[f"{key}_us"] / 1e3
-    finally:
-        os.environ.pop(pdl.ENV_VAR) if saved is None else os.environ.__setitem__(pdl.ENV_VAR, saved)
-        os.environ.pop(pdl.PREFETCH_ENV_VAR, None)
     out["pdl_speedup"] = out["plain_us"] / out["pdl_us"]
     out["pdl_prefetch_speedup"] = out["plain_us"] / out["pdl_prefetch_us"]
     print(f"decode chain ({num_layers} layers, no attention): plain {out['plain_us']:.0f} us "
@@ -345,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     result["timing"] = ("CUDA-graph replay (triton do_bench_cudagraph), median, data rotated past the L2; gemm and attn "
                         "with programmatic dependent launch off (each kernel on its own, as cuBLAS and SDPA run), "
                         "decode_chain with it off and on")
-    os.environ["LIGHTINFER_PDL"] = "0"  # decode_chain sets it per measurement
+    from lightinfer.kernels import switches
+
+    os.environ[switches.PDL_ENV] = "0"  # decode_chain overrides it per measurement
+    switches.reload()
     result["copy"] = copy_bandwidth(args.quick)
     print(f"copy bandwidth: {result['copy']['GBps']:.0f} GB/s (read + write)", flush=True)
     # (The split-K and GEMV tile sweeps that used to be here are bench/tune_w4a16.py's search now.)

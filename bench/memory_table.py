@@ -77,9 +77,8 @@ def weight_bytes(hf_config: object, quantization: str | None, dtype: torch.dtype
 
 def kv_bytes_per_token(hf_config: object, kv_cache_dtype: str, block_size: int = 16) -> int:
     """KV cache bytes per token over all layers (``KVCacheSpec.bytes_per_token``)."""
+    from lightinfer.kernels import KVCacheSpec
     from lightinfer.models.llama import head_dim_of
-
-    from lightinfer.engine.kv_cache import KVCacheSpec
 
     dtype = torch.int8 if kv_cache_dtype == "int8" else torch.float16
     return KVCacheSpec(hf_config.num_hidden_layers, hf_config.num_key_value_heads, head_dim_of(hf_config),

@@ -110,7 +110,7 @@ def candidates(path: str, m: int, group_size: int) -> list[Any]:
 def paths_for(m: int) -> list[str]:
     """The paths worth timing at ``m`` rows (the GEMV's FFMA work grows with M; dequant only pays at large M). The
     tensor-core paths run at M=1 too: a 16-token tile wastes tensor-core work, not memory traffic, and with the fp16
-    pair decode it issues fewer instructions per weight than the GEMV (``kernels/sass_stats.py``)."""
+    pair decode it issues fewer instructions per weight than the GEMV (``kernels/audit/sass_stats.py``)."""
     return [p for p, ok in (("gemv", m <= 8), ("tiled", True), ("swap_ab", m <= 1024), ("dequant", m >= 32)) if ok]
 
 

@@ -1,3 +1,50 @@
-from lightinfer.kernels._common import SplitKPartials
+"""lightinfer's run-time kernels: Triton kernels with their launchers, and two PyTorch backends.
 
-__all__ = ["SplitKPartials"]
+The public surface (what layers, models and the engine import; importing it does not import Triton):
+
+* :class:`SplitKPartials`: a W4A16 GEMM's output left unreduced for the op that follows.
+* :class:`KVCacheSpec`, :class:`PagedKV`, :data:`KV_BLOCK_SIZES`: the paged KV cache, one object per layer.
+* :func:`get_backend`, :data:`BACKEND_NAMES`, :data:`OP_NAMES`: the ``triton``, ``torch_cpu`` and
+  ``reference`` op backends (``backends.py``); :mod:`switches` for the ``LIGHTINFER_*`` kernel switches.
+* The W4 run-time weight layout (``w4_layout.py``): :func:`repack_awq_to_runtime`, :func:`dequantize_w4`,
+  :func:`pack_awq`, :func:`unpack_awq`, :func:`pack_int4_rows`, :func:`unpack_int4_rows`.
+* :func:`decode_workspace_bytes`: the memory a split paged-attention decode allocates.
+
+Build-time tooling (SASS counts, shared-memory and PDL checks) lives in ``lightinfer.kernels.audit``, which
+imports the kernels and is never imported by them. Engineering notes: ``kernels/README.md``.
+"""
+
+from __future__ import annotations
+
+from . import switches
+from .attention_plan import decode_workspace_bytes
+from .backends import OP_NAMES, get_backend
+from .paged_kv import KV_BLOCK_SIZES, KVCacheSpec, PagedKV
+from .split_k import SplitKPartials
+from .switches import BACKEND_NAMES
+from .w4_layout import (
+    dequantize_w4,
+    pack_awq,
+    pack_int4_rows,
+    repack_awq_to_runtime,
+    unpack_awq,
+    unpack_int4_rows,
+)
+
+__all__ = [
+    "BACKEND_NAMES",
+    "KV_BLOCK_SIZES",
+    "OP_NAMES",
+    "KVCacheSpec",
+    "PagedKV",
+    "SplitKPartials",
+    "decode_workspace_bytes",
+    "dequantize_w4",
+    "get_backend",
+    "pack_awq",
+    "pack_int4_rows",
+    "repack_awq_to_runtime",
+    "switches",
+    "unpack_awq",
+    "unpack_int4_rows",
+]

@@ -11,42 +11,31 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, LaunchSpec, SplitKPartials, check_device, next_pow2
+from .launch_utils import COMPILE_OPTIONS, FLOAT_DTYPES, as_rows, check_device, next_pow2
 from .pdl import pdl_launch, pdl_start
-from .w4a16_gemm import sum_split_k
+from .split_k import SplitKPartials, split_k_args
+from .split_k_jit import load_input
 
 MAX_HIDDEN = 16384
 SILU_BLOCK = 1024
-HIDDEN_SIZES = (576, 4096, 8192, 14336)  # sizes the smem check compiles (any size up to MAX_HIDDEN runs)
 
 
-def _warps(block: int) -> int:
-    # ~8 to 16 elements per thread: enough loads in flight per thread without spilling.
+def num_warps_for(block: int) -> int:
+    """Warps for a row kernel over ``block`` elements: ~8 to 16 elements per thread, enough loads in flight
+    per thread without spilling."""
     return max(1, min(16, block // 256))
 
 
 @triton.jit
-def _load_input(x_ptr, xb_ptr, offs, mask, stride_split, num_splits, SPLITS: tl.constexpr, SPLIT_BIAS: tl.constexpr,
-                dtype: tl.constexpr):
-    """A row slice of the op's input: loaded, or (``SPLITS``) a GEMM's split-K partials at
-    ``x_ptr + s * stride_split`` summed by :func:`sum_split_k`, as the reduction kernel would have."""
-    if SPLITS:
-        x = sum_split_k(x_ptr, xb_ptr, offs, mask, stride_split, num_splits, SPLIT_BIAS, dtype)  # offs: columns
-    else:
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    return x
-
-
-@triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, stride_x, stride_r, stride_o, stride_ro,
-                     eps, xb_ptr, stride_split, num_splits, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-                     SPLITS: tl.constexpr = False, SPLIT_BIAS: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, stride_x, stride_r, stride_o, stride_ro,
+                    eps, xb_ptr, stride_split, num_splits, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                    SPLITS: tl.constexpr = False, SPLIT_BIAS: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     pdl_start(USE_PDL)  # before any memory access (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = _load_input(x_ptr + row * stride_x, xb_ptr, cols, mask, stride_split, num_splits, SPLITS, SPLIT_BIAS,
-                    out_ptr.dtype.element_ty)
+    x = load_input(x_ptr + row * stride_x, xb_ptr, cols, mask, stride_split, num_splits, SPLITS, SPLIT_BIAS,
+                   out_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the new residual, rounded like the reference
@@ -72,10 +61,10 @@ def _rotate_heads(x_row, o_row, num_heads, stride_h, stride_oh, half, c, s, offs
 
 
 @triton.jit
-def _rotary_qk_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, num_q_heads, num_k_heads, half,
-                      stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
-                      stride_cp, stride_sp, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                      BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr = False):
+def rotary_qk_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, num_q_heads, num_k_heads, half,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
+                     stride_cp, stride_sp, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                     BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr = False):
     pdl_start(USE_PDL)  # before any memory access (kernels/pdl.py)
     # One program per token: cos/sin read from the tables at the token's position, q and k rotated.
     t = tl.program_id(0).to(tl.int64)
@@ -91,42 +80,18 @@ def _rotary_qk_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, n
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, xb_ptr, stride_split, num_splits,
-                         BLOCK: tl.constexpr, SPLITS: tl.constexpr = False, SPLIT_BIAS: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+def silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, xb_ptr, stride_split, num_splits,
+                        BLOCK: tl.constexpr, SPLITS: tl.constexpr = False, SPLIT_BIAS: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     pdl_start(USE_PDL)  # before any memory access (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     dt = out_ptr.dtype.element_ty
-    a = _load_input(x_ptr + row * stride_x, xb_ptr, cols, mask, stride_split, num_splits, SPLITS, SPLIT_BIAS, dt)
-    b = _load_input(x_ptr + row * stride_x, xb_ptr, inter + cols, mask, stride_split, num_splits, SPLITS, SPLIT_BIAS,
-                    dt)
+    a = load_input(x_ptr + row * stride_x, xb_ptr, cols, mask, stride_split, num_splits, SPLITS, SPLIT_BIAS, dt)
+    b = load_input(x_ptr + row * stride_x, xb_ptr, inter + cols, mask, stride_split, num_splits, SPLITS, SPLIT_BIAS,
+                   dt)
     a, b = a.to(tl.float32), b.to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (a / (1.0 + tl.exp(-a)) * b).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _rows(name: str, x: torch.Tensor) -> torch.Tensor:
-    """``x [..., H]`` -> a 2-D ``[rows, H]`` view (copy only if the rows cannot be viewed). Raises ValueError."""
-    if x.dtype not in FLOAT_DTYPES or x.dim() < 1:
-        raise ValueError(f"{name}: expected a float tensor [..., H], got {x.dtype} {tuple(x.shape)}")
-    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
-def _kernel_input(name: str, x: torch.Tensor | SplitKPartials) -> tuple[torch.Tensor, tuple, dict]:
-    """``x`` for a kernel that loads it with :func:`_load_input`: the 2-D rows tensor behind ``x_ptr``,
-    the positional ``(xb_ptr, stride_split, num_splits)`` and the ``SPLITS``/``SPLIT_BIAS`` constexprs."""
-    if isinstance(x, SplitKPartials):
-        p = x.partials
-        if p.dim() != 3 or p.dtype != torch.float32 or not p.is_contiguous():
-            raise ValueError(f"{name}: split-K partials must be contiguous fp32 [S, M, N], got {tuple(p.shape)} "
-                             f"{p.dtype}")
-        if x.bias is not None and x.bias.shape != (p.shape[2],):
-            raise ValueError(f"{name}: split-K bias {tuple(x.bias.shape)} must be [{p.shape[2]}]")
-        xb = x.bias if x.bias is not None else p
-        return p[0], (xb, p.stride(0), p.shape[0]), {"SPLITS": True, "SPLIT_BIAS": x.bias is not None}
-    x2 = _rows(name, x)
-    return x2, (x2, 0, 1), {}
 
 
 def _norm(name: str, x: torch.Tensor | SplitKPartials, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -139,17 +104,17 @@ def _norm(name: str, x: torch.Tensor | SplitKPartials, residual: torch.Tensor | 
     if residual is not None and (residual.shape != x.shape or residual.dtype not in FLOAT_DTYPES):
         raise ValueError(f"{name}: residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
     check_device(name, x, residual, weight)
-    x2, split_args, split_ce = _kernel_input(name, x)
-    r2 = _rows(name, residual) if residual is not None else None
+    x2, split_args, split_ce = split_k_args(name, x)
+    r2 = as_rows(name, residual) if residual is not None else None
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     r_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     if x2.shape[0]:
         block = next_pow2(h)
-        _rms_norm_kernel[(x2.shape[0],)](
+        rms_norm_kernel[(x2.shape[0],)](
             x2, r2 if r2 is not None else x2, weight, out, r_out if r_out is not None else out, h,
             x2.stride(0), (r2 if r2 is not None else x2).stride(0), out.stride(0), out.stride(0), eps, *split_args,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block), **split_ce,
-            **pdl_launch(x2.device))
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps_for(block), **split_ce,
+            **pdl_launch(x2.device), **COMPILE_OPTIONS)
     return out.view(x.shape), (r_out.view(x.shape) if r_out is not None else None)
 
 
@@ -220,11 +185,11 @@ def rotary_qk(
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if t:
         bq, bk, bh = next_pow2(hq), next_pow2(k.shape[1]), next_pow2(half)
-        _rotary_qk_kernel[(t,)](q, k, positions, cos_cache, sin_cache, q_out, k_out, hq, k.shape[1], half,
-                                q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
-                                k_out.stride(0), k_out.stride(1), cos_cache.stride(0), sin_cache.stride(0),
-                                BLOCK_HQ=bq, BLOCK_HK=bk, BLOCK_HALF=bh, num_warps=_warps(bq * bh),
-                                **pdl_launch(q.device))
+        rotary_qk_kernel[(t,)](q, k, positions, cos_cache, sin_cache, q_out, k_out, hq, k.shape[1], half,
+                               q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
+                               k_out.stride(0), k_out.stride(1), cos_cache.stride(0), sin_cache.stride(0),
+                               BLOCK_HQ=bq, BLOCK_HK=bk, BLOCK_HALF=bh, num_warps=num_warps_for(bq * bh),
+                               **pdl_launch(q.device), **COMPILE_OPTIONS)
     return q_out, k_out
 
 
@@ -239,41 +204,11 @@ def silu_and_mul(x: torch.Tensor | SplitKPartials) -> torch.Tensor:
     if len(x.shape) < 1 or x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul: last dim must be even, got {tuple(x.shape)}")
     check_device("silu_and_mul", x)
-    x2, split_args, split_ce = _kernel_input("silu_and_mul", x)
+    x2, split_args, split_ce = split_k_args("silu_and_mul", x)
     inter = x.shape[-1] // 2
     out = torch.empty((x2.shape[0], inter), dtype=x.dtype, device=x.device)
     if x2.shape[0] and inter:
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, SILU_BLOCK))](
+        silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, SILU_BLOCK))](
             x2, out, inter, x2.stride(0), out.stride(0), *split_args, BLOCK=SILU_BLOCK, num_warps=4, **split_ce,
-            **pdl_launch(x2.device))
+            **pdl_launch(x2.device), **COMPILE_OPTIONS)
     return out.view(*x.shape[:-1], inter)
-
-
-def launch_specs() -> list[LaunchSpec]:
-    """Kernel variants for the smem check (fp16): norms at common hidden sizes, rotary, SiLU."""
-    specs = []
-    for h in HIDDEN_SIZES:
-        block = next_pow2(h)
-        for res, splits in ((False, False), (True, False), (True, True)):  # split-K input: fused add only
-            ce = {"HAS_RESIDUAL": res, "BLOCK": block, "SPLITS": splits, "SPLIT_BIAS": splits}
-            sig = {**dict.fromkeys(["x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr", "xb_ptr"], "*fp16"),
-                   **dict.fromkeys(["n_cols", "stride_x", "stride_r", "stride_o", "stride_ro", "stride_split",
-                                    "num_splits"], "i32"), "eps": "fp32", **dict.fromkeys(ce, "constexpr")}
-            if splits:
-                sig["x_ptr"] = "*fp32"
-            specs.append(LaunchSpec("rms_norm", _rms_norm_kernel, sig, ce, _warps(block), 1))
-    for hq, hk, d in ((32, 32, 128), (32, 8, 128), (9, 3, 64)):
-        ce = {"BLOCK_HQ": next_pow2(hq), "BLOCK_HK": next_pow2(hk), "BLOCK_HALF": d // 2}
-        sig = {"q_ptr": "*fp16", "k_ptr": "*fp16", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-               "qo_ptr": "*fp16", "ko_ptr": "*fp16",
-               **dict.fromkeys(["num_q_heads", "num_k_heads", "half", "stride_qt", "stride_qh", "stride_kt", "stride_kh",
-                                "stride_qot", "stride_qoh", "stride_kot", "stride_koh", "stride_cp", "stride_sp"], "i32"),
-               **dict.fromkeys(ce, "constexpr")}
-        specs.append(LaunchSpec("rotary_qk", _rotary_qk_kernel, sig, ce, _warps(ce["BLOCK_HQ"] * ce["BLOCK_HALF"]), 1))
-    for splits in (False, True):
-        ce = {"BLOCK": SILU_BLOCK, "SPLITS": splits, "SPLIT_BIAS": splits}
-        sig = {"x_ptr": "*fp32" if splits else "*fp16", "out_ptr": "*fp16", "inter": "i32", "stride_x": "i32",
-               "stride_o": "i32", "xb_ptr": "*fp16", "stride_split": "i32", "num_splits": "i32",
-               **dict.fromkeys(ce, "constexpr")}
-        specs.append(LaunchSpec("silu_and_mul", _silu_and_mul_kernel, sig, ce, 4, 1))
-    return specs

@@ -1,7 +1,7 @@
 """Paged attention over the (fp16/bf16/fp32 or INT8) KV cache: decode and prefill.
 
-Cache layout: ``reference`` module docstring. INT8 K/V are never dequantized element by element:
-with per-token ``k = kq * ks + kz`` and ``v = vq * vs + vz``,
+Cache layout: ``paged_kv`` module docstring (one :class:`PagedKV` per layer). INT8 K/V are never
+dequantized element by element: with per-token ``k = kq * ks + kz`` and ``v = vq * vs + vz``,
 
     q . k_n      = ks_n * (q . kq_n) + kz_n * sum(q)        (int8 codes are exact in fp16/bf16)
     sum_n p_n v_n = (p * vs) @ vq + sum_n p_n vz_n
@@ -24,23 +24,21 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
-    FLOAT_DTYPES,
-    TRITON_DTYPE,
-    LaunchSpec,
-    check_cache_dtype,
-    check_device,
-    next_pow2,
-    num_sms,
-    upcast_dot,
+from .attention_plan import (
+    MAX_DECODE_SPLITS,
+    MIN_PARTITION_SIZE,
+    PARTITION_SIZE,
+    decode_block_d,
+    decode_split_plan,
 )
+from .launch_utils import COMPILE_OPTIONS, FLOAT_DTYPES, check_device, next_pow2, upcast_dot
+from .paged_kv import PagedKV
 from .pdl import pdl_launch, pdl_start
 
-# PROVISIONAL (one H200 run so far): tokens per decode partition. Contexts up to this length run in
-# one kernel; longer ones are split and reduced. Small batches use shorter partitions (more programs).
-PARTITION_SIZE = 512
-MIN_PARTITION_SIZE = 128  # a multiple of every config's block_n
-MAX_DECODE_SPLITS = 64  # partitions per sequence at most: the reduction holds [splits, head_dim] in registers
+__all__ = ["DECODE_CONFIGS", "MAX_DECODE_SPLITS", "MIN_PARTITION_SIZE", "PARTITION_SIZE", "PREFILL_CONFIGS",
+           "PREFILL_INT8_CONFIGS", "AttnConfig", "attn_config", "decode_split_plan", "paged_attention_decode",
+           "paged_attention_decode_impl", "paged_attention_prefill", "paged_decode_kernel",
+           "paged_decode_reduce_kernel", "paged_prefill_kernel"]
 
 
 @dataclass(frozen=True)
@@ -58,15 +56,18 @@ PREFILL_CONFIGS: list[AttnConfig] = [AttnConfig(128, 64, 4, 2), AttnConfig(256, 
 # An INT8 cache adds the scale/zero vectors and the code conversion to every tile: at the fp16 tiles
 # its prefill kernel ran out of registers (sm_86: 255 registers and 114 spill stores at head_dim 128,
 # 18 at 64; sm_90, head_dim 256: 112 bytes of stack). Half the keys per step spill on neither
-# (``python -m lightinfer.kernels.smem_check`` reports registers and spills).
+# (``python -m lightinfer.kernels.audit.smem_check`` reports registers and spills).
 PREFILL_INT8_CONFIGS: list[AttnConfig] = [AttnConfig(128, 32, 4, 2), AttnConfig(256, 16, 8, 2)]
 PREFILL_BLOCK_M = 64
 REDUCE_NUM_WARPS = 4
-HEAD_DIMS = (64, 128, 256)  # head sizes the smem check compiles
-GQA_GROUPS = (1, 4, 8)
 
 
-def _config(configs: list[AttnConfig], head_dim: int) -> AttnConfig:
+def attn_config(configs: list[AttnConfig], head_dim: int) -> AttnConfig:
+    """The first of ``configs`` that covers ``head_dim``.
+
+    Raises:
+        ValueError: ``head_dim`` is larger than every config's ``max_head_dim``.
+    """
     for c in configs:
         if head_dim <= c.max_head_dim:
             return c
@@ -172,7 +173,7 @@ def _partition_size(ctx, partition_size, num_splits, TILE: tl.constexpr):
 
 
 @triton.jit
-def _decode_kernel(
+def paged_decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     qk_scale, head_dim, partition_size, max_splits,
     stride_qs, stride_qh, stride_os, stride_oh, stride_bts,
@@ -226,7 +227,7 @@ def _decode_kernel(
 
 
 @triton.jit
-def _decode_reduce_kernel(
+def paged_decode_reduce_kernel(
     part_acc_ptr, part_ml_ptr, ctx_ptr, out_ptr, head_dim, partition_size, max_splits, stride_os, stride_oh,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
     USE_PDL: tl.constexpr = False,
@@ -253,7 +254,7 @@ def _decode_reduce_kernel(
 
 
 @triton.jit
-def _prefill_kernel(
+def paged_prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, cu_ptr, ctx_ptr, bt_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, out_ptr,
     qk_scale, head_dim,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bts,
@@ -305,57 +306,35 @@ def _prefill_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
-def _check_cache(name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, aux: tuple[torch.Tensor | None, ...]) -> tuple[bool, int]:
-    """Validate q/cache/aux; returns ``(quant, group)``. Raises ValueError."""
+def _check_cache(name: str, q: torch.Tensor, kv: PagedKV, block_tables: torch.Tensor) -> int:
+    """Validate q and the block tables against ``kv`` (whose own layout :class:`PagedKV` checked); returns the
+    GQA group size. Raises ValueError."""
     if q.dim() != 3 or q.dtype not in FLOAT_DTYPES or q.stride(2) != 1:
         raise ValueError(f"{name}: q must be float [*, num_heads, head_dim] with stride 1 on head_dim, "
                          f"got {tuple(q.shape)} {q.dtype}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.stride() != v_cache.stride():
-        raise ValueError(f"{name}: k_cache/v_cache must be [num_blocks, block_size, num_kv_heads, head_dim] with "
-                         f"equal strides, got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
-    if k_cache.stride(3) != 1 or k_cache.shape[3] != q.shape[2] or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"{name}: cache head_dim {k_cache.shape[3]} vs q {q.shape[2]}, dtypes {k_cache.dtype}/"
-                         f"{v_cache.dtype}, stride on head_dim {k_cache.stride(3)}")
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    if kv.head_dim != q.shape[2]:
+        raise ValueError(f"{name}: cache head_dim {kv.head_dim} vs q {q.shape[2]}")
+    num_heads, num_kv_heads = q.shape[1], kv.num_kv_heads
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"{name}: num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
     if block_tables.dim() != 2 or block_tables.dtype not in (torch.int32, torch.int64) or block_tables.stride(1) != 1:
         raise ValueError(f"{name}: block_tables must be int32/int64 [num_seqs, max_num_blocks], row-contiguous")
-    quant = check_cache_dtype(name, k_cache, aux)
-    check_device(name, q, k_cache, v_cache, block_tables, *(aux if quant else ()))
-    return quant, num_heads // num_kv_heads
+    check_device(name, q, block_tables, *kv.tensors())
+    return num_heads // num_kv_heads
 
 
-def decode_split_plan(num_seqs: int, num_kv_heads: int, max_ctx: int, device: torch.device) -> tuple[int, int]:
-    """``(num_splits, partition_size)`` of a decode launch; ``partition_size`` 0 = adaptive.
-
-    Small batches (``num_seqs * num_kv_heads`` programs would not give every SM two) split each
-    sequence's *real* context, read in the kernel, into ``cdiv(2 SMs, programs)`` (at most
-    ``MAX_DECODE_SPLITS``) partitions of whole tiles. ``max_ctx`` (the block-table width) cannot size
-    them: inside a CUDA graph it is ``max_model_len``, so fixed partitions derived from it either
-    left a 300-token chat on one program per KV head (512-token partitions at batch 1 on
-    Llama-2-7B: 32 of 132 SMs busy) or, made small, launched thousands of programs that exit at once.
-    Larger batches have parallelism to spare: fixed ``PARTITION_SIZE`` partitions (fewer when
-    ``max_ctx`` is short), which only split long contexts.
-    """
-    programs = max(1, num_seqs * num_kv_heads)
-    if programs < 2 * num_sms(device):
-        return min(MAX_DECODE_SPLITS, triton.cdiv(2 * num_sms(device), programs)), 0
-    ctx = max(max_ctx, 1)
-    fewest = triton.cdiv(triton.cdiv(ctx, MAX_DECODE_SPLITS), MIN_PARTITION_SIZE) * MIN_PARTITION_SIZE
-    part = max(fewest, min(PARTITION_SIZE, triton.cdiv(ctx, MIN_PARTITION_SIZE) * MIN_PARTITION_SIZE))
-    return triton.cdiv(ctx, part), part
+def _scale_args(kv: PagedKV) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    """The four scale/zero pointers and their shared strides; for a float cache K four times (never read)
+    and zero strides."""
+    if kv.is_int8:
+        return kv.scales, kv.k_scale.stride()
+    return (kv.k,) * 4, (0, 0, 0)
 
 
-def paged_attention_decode_impl(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None, k_zero: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None, v_zero: torch.Tensor | None = None, *, partition_size: int | None = None,
-) -> torch.Tensor:
+def paged_attention_decode_impl(q: torch.Tensor, kv: PagedKV, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                                scale: float, *, partition_size: int | None = None) -> torch.Tensor:
     """:func:`paged_attention_decode` with the partition size forced (tests, bench)."""
-    aux = (k_scale, k_zero, v_scale, v_zero)
-    quant, group = _check_cache("paged_attention_decode", q, k_cache, v_cache, block_tables, aux)
+    group = _check_cache("paged_attention_decode", q, kv, block_tables)
     num_seqs, num_heads, head_dim = q.shape
     if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
         raise ValueError(f"paged_attention_decode: block_tables {tuple(block_tables.shape)} / context_lens "
@@ -364,11 +343,11 @@ def paged_attention_decode_impl(
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    cfg = _config(DECODE_CONFIGS, head_dim)
-    block_size = k_cache.shape[1]
+    cfg = attn_config(DECODE_CONFIGS, head_dim)
+    block_size = kv.block_size
     max_ctx = block_tables.shape[1] * block_size  # host-side bound: no device sync for max(context_lens)
     if partition_size is None:
-        num_splits, part = decode_split_plan(num_seqs, k_cache.shape[2], max_ctx, q.device)
+        num_splits, part = decode_split_plan(num_seqs, kv.num_kv_heads, max_ctx, q.device)
     else:
         if partition_size <= 0 or partition_size % cfg.block_n:
             raise ValueError(f"paged_attention_decode: partition_size {partition_size} must be a positive multiple "
@@ -377,92 +356,68 @@ def paged_attention_decode_impl(
     split = num_splits > 1
     if not split:
         part = max(max_ctx, 1)
-    block_d = max(16, next_pow2(head_dim))
-    if split:
+    block_d = decode_block_d(head_dim)
+    if split:  # the workspace attention_plan.decode_workspace_bytes counts
         part_acc = torch.empty((num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((num_seqs, num_heads, num_splits, 2), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
-    ks, kz, vs, vz = aux if quant else (k_cache,) * 4
-    sb, so, sh = k_scale.stride() if quant else (0, 0, 0)
+    (ks, kz, vs, vz), (sb, so, sh) = _scale_args(kv)
     log2e = 1.4426950408889634
-    _decode_kernel[(num_seqs, k_cache.shape[2], num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, ks, kz, vs, vz, out, part_acc, part_ml,
+    paged_decode_kernel[(num_seqs, kv.num_kv_heads, num_splits)](
+        q, kv.k, kv.v, block_tables, context_lens, ks, kz, vs, vz, out, part_acc, part_ml,
         scale * log2e, head_dim, part, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sb, so, sh,
+        kv.k.stride(0), kv.k.stride(1), kv.k.stride(2), sb, so, sh,
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        QUANT=quant, SPLIT=split, UPCAST_DOT=upcast_dot(q.dtype), BLOCK_SIZE=block_size, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_launch(q.device),
+        QUANT=kv.is_int8, SPLIT=split, UPCAST_DOT=upcast_dot(q.dtype), BLOCK_SIZE=block_size,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(q.device), **COMPILE_OPTIONS,
     )
     if split:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
+        paged_decode_reduce_kernel[(num_seqs, num_heads)](
             part_acc, part_ml, context_lens, out, head_dim, part, num_splits, out.stride(0), out.stride(1),
             BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d, TILE=cfg.block_n, num_warps=REDUCE_NUM_WARPS,
-            **pdl_launch(q.device),
+            **pdl_launch(q.device), **COMPILE_OPTIONS,
         )
     return out
 
 
-def paged_attention_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    k_scale: torch.Tensor | None = None,
-    k_zero: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    v_zero: torch.Tensor | None = None,
-) -> torch.Tensor:
+def paged_attention_decode(q: torch.Tensor, kv: PagedKV, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
     """One new query token per sequence against its whole cached context.
 
     Args:
         q: float ``[num_seqs, num_heads, head_dim]`` (head_dim <= 256), stride 1 on head_dim.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float or int8.
+        kv: the layer's cache (:class:`PagedKV`: float or INT8; INT8 scales/zeros in any strides shared by
+            the four, the engine's are head-major on GPUs: see ``KVCacheSpec.allocate``).
         block_tables: int32 ``[num_seqs, max_num_blocks]`` (unused entries -1).
         context_lens: int32 ``[num_seqs]`` tokens in the cache (>= 1), the new one included.
         scale: softmax scale (usually ``head_dim ** -0.5``).
-        k_scale, k_zero, v_scale, v_zero: float16 ``[num_blocks, block_size, num_kv_heads]`` for int8,
-            any strides shared by the four (the engine's are head-major: see ``KVCacheSpec``).
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``.
     Raises:
         ValueError: on bad shapes, dtypes, strides or devices.
     """
-    return paged_attention_decode_impl(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                       k_scale, k_zero, v_scale, v_zero)
+    return paged_attention_decode_impl(q, kv, block_tables, context_lens, scale)
 
 
-def paged_attention_prefill(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    k_scale: torch.Tensor | None = None,
-    k_zero: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    v_zero: torch.Tensor | None = None,
-) -> torch.Tensor:
+def paged_attention_prefill(q: torch.Tensor, kv: PagedKV, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                            block_tables: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of new tokens over cached prefix blocks plus themselves (already stored).
 
     Args:
         q: float ``[num_tokens, num_heads, head_dim]``, sequences concatenated.
+        kv: the layer's cache, as :func:`paged_attention_decode`.
         cu_seqlens_q: int32 ``[num_seqs + 1]`` offsets of each sequence's new tokens in ``q``.
         context_lens: int32 ``[num_seqs]`` total tokens in the cache per sequence (prefix + new).
         block_tables: int32 ``[num_seqs, max_num_blocks]``.
-        Others as :func:`paged_attention_decode`.
+        scale: softmax scale.
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
     Raises:
         ValueError: on bad shapes, dtypes, strides or devices.
     """
-    aux = (k_scale, k_zero, v_scale, v_zero)
-    quant, group = _check_cache("paged_attention_prefill", q, k_cache, v_cache, block_tables, aux)
+    group = _check_cache("paged_attention_prefill", q, kv, block_tables)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = cu_seqlens_q.numel() - 1
     if cu_seqlens_q.dim() != 1 or num_seqs < 0 or context_lens.shape != (num_seqs,) or block_tables.shape[0] != num_seqs:
@@ -472,66 +427,16 @@ def paged_attention_prefill(
     out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs <= 0:
         return out
-    cfg = _config(PREFILL_INT8_CONFIGS if quant else PREFILL_CONFIGS, head_dim)
-    ks, kz, vs, vz = aux if quant else (k_cache,) * 4
-    sb, so, sh = k_scale.stride() if quant else (0, 0, 0)
+    cfg = attn_config(PREFILL_INT8_CONFIGS if kv.is_int8 else PREFILL_CONFIGS, head_dim)
+    (ks, kz, vs, vz), (sb, so, sh) = _scale_args(kv)
     grid = (num_seqs, triton.cdiv(num_tokens, PREFILL_BLOCK_M), num_heads)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, ks, kz, vs, vz, out,
+    paged_prefill_kernel[grid](
+        q, kv.k, kv.v, cu_seqlens_q, context_lens, block_tables, ks, kz, vs, vz, out,
         scale * 1.4426950408889634, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sb, so, sh,
+        kv.k.stride(0), kv.k.stride(1), kv.k.stride(2), sb, so, sh,
         GROUP=group, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_D=max(16, next_pow2(head_dim)),
-        QUANT=quant, UPCAST_DOT=upcast_dot(q.dtype), BLOCK_SIZE=k_cache.shape[1], num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_launch(q.device),
+        QUANT=kv.is_int8, UPCAST_DOT=upcast_dot(q.dtype), BLOCK_SIZE=kv.block_size, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_launch(q.device), **COMPILE_OPTIONS,
     )
     return out
-
-
-# ----------------------------------------------------------------------------- compile specs
-
-
-def launch_specs() -> list[LaunchSpec]:
-    """Kernel variants for the smem check: fp16 queries, fp16 and int8 caches, head sizes, GQA groups; the
-    engine's KV block sizes for int8 caches (their page gather's tile depends on it), 16 for fp16."""
-    from lightinfer.config import KV_BLOCK_SIZES  # the block sizes the engine accepts
-
-    specs: list[LaunchSpec] = []
-    cache_ints = ["stride_cb", "stride_co", "stride_ch", "stride_sb", "stride_so", "stride_sh"]
-    for cache_dt in (torch.float16, torch.int8):
-        c = "*" + TRITON_DTYPE[cache_dt]
-        quant = cache_dt == torch.int8
-        ptrs = {"kc_ptr": c, "vc_ptr": c, "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "*fp16", "vz_ptr": "*fp16"}
-        for block_size in KV_BLOCK_SIZES if quant else (16,):
-            for d in HEAD_DIMS:
-                dc = _config(DECODE_CONFIGS, d)
-                for group in GQA_GROUPS:
-                    for split in (False, True):
-                        ce = {"GROUP": group, "BLOCK_G": max(16, next_pow2(group)), "BLOCK_N": dc.block_n,
-                              "BLOCK_D": d, "QUANT": quant, "SPLIT": split, "UPCAST_DOT": False,
-                              "BLOCK_SIZE": block_size}
-                        sig = {"q_ptr": "*fp16", **ptrs, "bt_ptr": "*i32", "ctx_ptr": "*i32", "out_ptr": "*fp16",
-                               "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qk_scale": "fp32",
-                               **dict.fromkeys(["head_dim", "partition_size", "max_splits", "stride_qs", "stride_qh",
-                                                "stride_os", "stride_oh", "stride_bts", *cache_ints], "i32"),
-                               **dict.fromkeys(ce, "constexpr")}
-                        specs.append(LaunchSpec(f"attn_decode[{cache_dt}]", _decode_kernel, sig, ce, dc.num_warps,
-                                                dc.num_stages))
-                pc = _config(PREFILL_INT8_CONFIGS if quant else PREFILL_CONFIGS, d)
-                ce = {"GROUP": 4, "BLOCK_M": PREFILL_BLOCK_M, "BLOCK_N": pc.block_n, "BLOCK_D": d, "QUANT": quant,
-                      "UPCAST_DOT": False, "BLOCK_SIZE": block_size}
-                sig = {"q_ptr": "*fp16", **ptrs, "cu_ptr": "*i32", "ctx_ptr": "*i32", "bt_ptr": "*i32",
-                       "out_ptr": "*fp16", "qk_scale": "fp32",
-                       **dict.fromkeys(["head_dim", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
-                                        "stride_bts", *cache_ints], "i32"),
-                       **dict.fromkeys(ce, "constexpr")}
-                specs.append(LaunchSpec(f"attn_prefill[{cache_dt}]", _prefill_kernel, sig, ce, pc.num_warps,
-                                        pc.num_stages))
-    for d in HEAD_DIMS:
-        for bs in (2, 16, MAX_DECODE_SPLITS):
-            ce = {"BLOCK_S": bs, "BLOCK_D": d, "TILE": _config(DECODE_CONFIGS, d).block_n}
-            sig = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "ctx_ptr": "*i32", "out_ptr": "*fp16",
-                   **dict.fromkeys(["head_dim", "partition_size", "max_splits", "stride_os", "stride_oh"], "i32"),
-                   **dict.fromkeys(ce, "constexpr")}
-            specs.append(LaunchSpec("attn_decode_reduce", _decode_reduce_kernel, sig, ce, REDUCE_NUM_WARPS, 1))
-    return specs

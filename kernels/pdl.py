@@ -11,9 +11,11 @@ to its launch: each program first lets the *next* kernel's programs launch, then
 kernel to complete. Nothing is read or written before that wait, so reuse of a freed buffer by the
 caching allocator, reads of outputs two kernels back (each kernel completes only after the one before it)
 and kernels of other libraries in between (launched without PDL: ordinary stream order) all stay as safe
-as without it. ``LIGHTINFER_PDL=0`` turns it off; it is off on older GPUs, older drivers (graph capture of
-these launches needs CUDA 12.3) and on the CPU interpreter. The W4 GEMMs prefetch the first K steps of
-their weights into L2 before the wait (``LIGHTINFER_PDL_PREFETCH=0`` turns that alone off).
+as without it. ``LIGHTINFER_PDL=0`` turns it off (``switches.py``); it is off on older GPUs, older drivers
+(graph capture of these launches needs CUDA 12.3) and on the CPU interpreter. The W4 GEMMs prefetch the
+first K steps of their weights into L2 before the wait (``LIGHTINFER_PDL_PREFETCH=0`` turns that alone off).
+``python -m lightinfer.kernels.audit.pdl_check`` checks in the compiled SASS that every kernel waits before
+it touches memory.
 
 Source: CUDA Programming Guide, "Programmatic Dependent Launch and Synchronization"; PTX ISA,
 ``griddepcontrol``.
@@ -21,11 +23,7 @@ Source: CUDA Programming Guide, "Programmatic Dependent Launch and Synchronizati
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-import os
-import re
 import sys
 from typing import Any
 
@@ -33,10 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import interpreting
-
-ENV_VAR = "LIGHTINFER_PDL"
-PREFETCH_ENV_VAR = "LIGHTINFER_PDL_PREFETCH"
+from . import switches
+from .launch_utils import interpreting
 
 
 @triton.jit
@@ -93,7 +89,7 @@ def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with PDL: a CUDA GPU of compute capability 9.0 or later, a driver
     of CUDA 12.3 or later, Triton with ``griddepcontrol`` support, not the interpreter, and ``LIGHTINFER_PDL``
     not ``0``."""
-    if device.type != "cuda" or interpreting() or os.environ.get(ENV_VAR, "1") == "0":
+    if device.type != "cuda" or interpreting() or not switches.current().pdl:
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -111,62 +107,5 @@ def pdl_launch(device: torch.device, prefetch: bool = False) -> dict[str, Any]:
     on = pdl_enabled(device)
     kwargs: dict[str, Any] = {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
     if prefetch:
-        kwargs["PREFETCH"] = on and os.environ.get(PREFETCH_ENV_VAR, "1") != "0"
+        kwargs["PREFETCH"] = on and switches.current().pdl_prefetch
     return kwargs
-
-
-# Global-memory instructions in SASS: none may come before the wait (ACQBULK) in a PDL kernel. (L2 prefetches,
-# CCTL.E.PF2, read nothing into the program and touch only weights, which no kernel writes.)
-_GLOBAL_MEMORY = re.compile(r"\b(LDG|STG|LDGSTS|LD|ST|ATOMG|ATOM|RED|UBLKCP|UTMALDG|UTMASTG)\b")
-
-
-def wait_order(arch: int = 90) -> list[dict[str, Any]]:
-    """For one launch spec of every kernel, compiled for ``sm_<arch>`` with ``USE_PDL=True``: whether the
-    SASS waits (``ACQBULK``, from ``griddepcontrol.wait``) before its first global-memory instruction, and
-    releases the next kernel (``PREEXIT``, from ``griddepcontrol.launch_dependents``). The property PDL's
-    safety rests on, checked on the machine code rather than trusted to the source.
-
-    Raises:
-        RuntimeError: under ``TRITON_INTERPRET=1`` (nothing to compile).
-    """
-    import dataclasses
-
-    from triton.tools.disasm import get_sass
-
-    from .sass_stats import compile_spec
-    from .smem_check import all_launch_specs
-
-    rows, seen = [], set()
-    for spec in all_launch_specs():
-        kernel = spec.name.split("[")[0]
-        if kernel in seen:
-            continue
-        seen.add(kernel)
-        flags = {name: True for name in ("USE_PDL", "PREFETCH") if name in spec.kernel.arg_names}
-        spec = dataclasses.replace(spec, signature={**spec.signature, **dict.fromkeys(flags, "constexpr")},
-                                   constexprs={**spec.constexprs, **flags})
-        lines = [line.split("\t")[-1].strip() for line in get_sass(compile_spec(spec, arch).asm["cubin"]).splitlines()]
-        first_wait = next((i for i, op in enumerate(lines) if op.startswith("ACQBULK")), None)
-        first_memory = next((i for i, op in enumerate(lines) if _GLOBAL_MEMORY.search(op)), None)
-        rows.append({"kernel": kernel, "waits": first_wait is not None,
-                     "releases": any(op.startswith("PREEXIT") for op in lines),
-                     "wait_before_memory": first_wait is not None and (first_memory is None or first_wait < first_memory),
-                     # L2 prefetches of weights (CCTL.E.PF2), the one thing allowed before the wait
-                     "prefetches_before_wait": sum(bool(re.match(r"(@!?P\w+\s+)?CCTL", op))
-                                                   for op in lines[:first_wait or 0])})
-    return rows
-
-
-def main(argv: list[str] | None = None) -> int:
-    """CLI: ``python -m lightinfer.kernels.pdl [--arch 90]`` prints :func:`wait_order` as one JSON line;
-    status 1 if a kernel touches memory before its wait."""
-    p = argparse.ArgumentParser(description="Check that every kernel waits before it touches memory under PDL")
-    p.add_argument("--arch", type=int, default=90, choices=(90,))
-    rows = wait_order(p.parse_args(argv).arch)
-    print(json.dumps(rows))
-    return 0 if all(r["wait_before_memory"] and r["releases"] for r in rows) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-

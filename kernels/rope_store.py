@@ -6,9 +6,10 @@ At batch 1 these were three launches per layer: the split-K reduction of the qkv
 ``rotary_qk`` and ``store_kvcache``, each a tiny kernel whose time is mostly launch and one DRAM
 round trip. The result is bit-identical to that sequence (``reference.rope_store_kvcache``
 composes it): the partials are summed and rounded to the activation dtype as the reduction would,
-rotated k is rounded before it is quantized, and the quantization is ``kv_store``'s own.
+rotated k is rounded before it is quantized, and the quantization is ``kv_store``'s own
+(``kv_quant_jit.quantize_rows``).
 
-Layouts: ``kv_store`` (cache) and ``norm_rope.rotary_qk`` (rotate-half RoPE from cos/sin tables).
+Layouts: ``paged_kv`` (cache) and ``norm_rope.rotary_qk`` (rotate-half RoPE from cos/sin tables).
 One program per token and KV head; padding tokens (slot -1) still produce their q.
 """
 
@@ -18,13 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, TRITON_DTYPE, LaunchSpec, SplitKPartials, check_device, next_pow2
-from .kv_store import _quantize_rows, check_store_target
-from .norm_rope import _kernel_input, _load_input
+from .kv_quant_jit import quantize_rows
+from .kv_store import check_store_target
+from .launch_utils import COMPILE_OPTIONS, FLOAT_DTYPES, check_device, next_pow2
+from .paged_kv import PagedKV
 from .pdl import pdl_launch, pdl_start
+from .split_k import SplitKPartials, split_k_args
+from .split_k_jit import load_input
 
 NUM_WARPS = 4
-SHAPES = ((32, 32, 128), (32, 8, 128), (28, 4, 128), (9, 3, 64))  # (heads, kv heads, head_dim) for the smem check
 
 
 @triton.jit
@@ -32,9 +35,9 @@ def _load_halves(row, xb_ptr, col, mask, stride_split, num_splits, SPLITS: tl.co
                  half, dtype: tl.constexpr):
     """Heads at columns ``col`` (first halves; ``col + half`` the second) of a qkv row (split-K partials
     summed and rounded to ``dtype``, as the reduction would): ``(first, second)`` halves in fp32."""
-    x1 = _load_input(row, xb_ptr, col, mask, stride_split, num_splits, SPLITS, SPLIT_BIAS, dtype).to(tl.float32)
-    x2 = _load_input(row, xb_ptr, col + half, mask, stride_split, num_splits, SPLITS, SPLIT_BIAS,
-                     dtype).to(tl.float32)
+    x1 = load_input(row, xb_ptr, col, mask, stride_split, num_splits, SPLITS, SPLIT_BIAS, dtype).to(tl.float32)
+    x2 = load_input(row, xb_ptr, col + half, mask, stride_split, num_splits, SPLITS, SPLIT_BIAS,
+                    dtype).to(tl.float32)
     return x1, x2
 
 
@@ -56,7 +59,7 @@ def _store_heads(cache_ptr, sc_ptr, zp_ptr, x1, x2, mask, dst, sdst, hmask, half
         x = tl.reshape(tl.join(x1, x2), (x1.shape[0], 2 * x1.shape[1]))
         m = tl.reshape(tl.join(mask, mask), (x1.shape[0], 2 * x1.shape[1]))
         d = tl.reshape(tl.join(dst, dst + half), (x1.shape[0], 2 * x1.shape[1]))
-        q, scale, zero = _quantize_rows(x, m)
+        q, scale, zero = quantize_rows(x, m)
         tl.store(cache_ptr + d, q.to(tl.int8), mask=m)
         tl.store(sc_ptr + sdst, scale.to(tl.float16), mask=hmask)
         tl.store(zp_ptr + sdst, zero.to(tl.float16), mask=hmask)
@@ -66,7 +69,7 @@ def _store_heads(cache_ptr, sc_ptr, zp_ptr, x1, x2, mask, dst, sdst, hmask, half
 
 
 @triton.jit
-def _rope_store_kernel(
+def rope_store_kernel(
     x_ptr, xb_ptr, stride_split, num_splits, pos_ptr, cos_ptr, sin_ptr, q_ptr,
     kc_ptr, vc_ptr, slot_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
     num_heads, num_kv_heads, half, block_size,
@@ -121,13 +124,8 @@ def rope_store_kvcache(
     num_kv_heads: int,
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: PagedKV,
     slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    k_zero: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    v_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``rotary_qk`` + ``store_kvcache`` on a fused qkv projection's output, in one launch.
 
@@ -137,8 +135,7 @@ def rope_store_kvcache(
             the last dim, or a W4A16 GEMM's :class:`SplitKPartials` of that shape (summed as loaded).
         num_heads, num_kv_heads: query and KV heads.
         cos_cache, sin_cache: float ``[max_position, D // 2]``, stride 1 on the last dim (rotate-half RoPE).
-        k_cache, v_cache, slot_mapping, k_scale, k_zero, v_scale, v_zero: as ``store_kvcache``
-            (``head_dim`` = D); slot -1 = padding (not cached).
+        kv, slot_mapping: as ``store_kvcache`` (``head_dim`` = D); slot -1 = padding (not cached).
     Returns:
         The rotated q, a new ``[T, num_heads, D]`` tensor in qkv's dtype.
     Raises:
@@ -159,42 +156,22 @@ def rope_store_kvcache(
     t = qkv.shape[0]
     if positions.shape != (t,) or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"rope_store_kvcache: positions must be int32/int64 [{t}], got {tuple(positions.shape)}")
-    aux = (k_scale, k_zero, v_scale, v_zero)
-    quant = check_store_target("rope_store_kvcache", t, num_kv_heads, d, k_cache, v_cache, slot_mapping, aux)
-    check_device("rope_store_kvcache", qkv, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping,
-                 *(aux if quant else ()))
-    x2, split_args, split_ce = _kernel_input("rope_store_kvcache", qkv)
+    check_store_target("rope_store_kvcache", t, num_kv_heads, d, kv, slot_mapping)
+    check_device("rope_store_kvcache", qkv, positions, cos_cache, sin_cache, slot_mapping, *kv.tensors())
+    x2, split_args, split_ce = split_k_args("rope_store_kvcache", qkv)
     q = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=x2.device)
     if t:
-        ks, kz, vs, vz = aux if quant else (k_cache,) * 4  # unused pointers when not quantizing
-        sb, so, sh = k_scale.stride() if quant else (0, 0, 0)
+        quant = kv.is_int8
+        ks, kz, vs, vz = kv.scales if quant else (kv.k,) * 4  # unused pointers when not quantizing
+        sb, so, sh = kv.k_scale.stride() if quant else (0, 0, 0)
         group = num_heads // num_kv_heads
-        _rope_store_kernel[(t, num_kv_heads)](
-            x2, *split_args, positions, cos_cache, sin_cache, q, k_cache, v_cache, slot_mapping, ks, kz, vs, vz,
-            num_heads, num_kv_heads, half, k_cache.shape[1],
+        rope_store_kernel[(t, num_kv_heads)](
+            x2, *split_args, positions, cos_cache, sin_cache, q, kv.k, kv.v, slot_mapping, ks, kz, vs, vz,
+            num_heads, num_kv_heads, half, kv.block_size,
             x2.stride(0), q.stride(0), q.stride(1), cos_cache.stride(0), sin_cache.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sb, so, sh,
+            kv.k.stride(0), kv.k.stride(1), kv.k.stride(2), sb, so, sh,
             QUANT=quant, GROUP=group, BLOCK_G=next_pow2(group), BLOCK_HALF=next_pow2(half),
             num_warps=NUM_WARPS, **{"SPLITS": False, "SPLIT_BIAS": False, **split_ce}, **pdl_launch(q.device),
+            **COMPILE_OPTIONS,
         )
     return q
-
-
-def launch_specs() -> list[LaunchSpec]:
-    """Kernel variants for the smem check: fp16 activations, fp16 and int8 caches, split-K input or not."""
-    specs = []
-    ints = ["stride_split", "num_splits", "num_heads", "num_kv_heads", "half", "block_size", "stride_xt", "stride_qt",
-            "stride_qh", "stride_cp", "stride_sp", "stride_cb", "stride_co", "stride_ch", "stride_sb", "stride_so",
-            "stride_sh"]
-    for cache_dt in (torch.float16, torch.int8):
-        c = "*" + TRITON_DTYPE[cache_dt]
-        for hq, hk, d in SHAPES:
-            for splits in (False, True):
-                ce = {"SPLITS": splits, "SPLIT_BIAS": splits, "QUANT": cache_dt == torch.int8,
-                      "GROUP": hq // hk, "BLOCK_G": next_pow2(hq // hk), "BLOCK_HALF": d // 2}
-                sig = {"x_ptr": "*fp32" if splits else "*fp16", "xb_ptr": "*fp16", "pos_ptr": "*i64",
-                       "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": "*fp16", "kc_ptr": c, "vc_ptr": c,
-                       "slot_ptr": "*i64", **dict.fromkeys(["ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr"], "*fp16"),
-                       **dict.fromkeys(ints, "i32"), **dict.fromkeys(ce, "constexpr")}
-                specs.append(LaunchSpec(f"rope_store[{cache_dt}]", _rope_store_kernel, sig, ce, NUM_WARPS, 1))
-    return specs

@@ -1,4 +1,4 @@
-"""Pieces shared by the W4A16 kernels: exact 4-bit weight decode (run-time layout: ``reference`` module
+"""Pieces shared by the W4A16 kernels: exact 4-bit weight decode (run-time layout: ``w4_layout`` module
 docstring), the K-split prologue with its L2 prefetch under programmatic dependent launch, the scale/zero
 prefetch of a K step, and the output store.
 
@@ -6,7 +6,7 @@ A nibble at bit ``p`` of an int32 word, masked in place and OR-ed with the float
 ``2^(23 - p)``, reads as exactly ``2^(23 - p) + q``; subtracting ``2^(23 - p) + z`` gives ``q - z``.
 So decoding a weight costs one LOP3 and one FADD: no shift, bit-field extract or int->float
 conversion. The float mantissa has 23 bits, so nibbles 0-4 are read in place and 5-7 after one
-shift of the word by 12. ``python -m lightinfer.kernels.sass_stats`` counts the result.
+shift of the word by 12. ``python -m lightinfer.kernels.audit.sass_stats`` counts the result.
 
 The tensor-core kernels with fp16 activations decode two weights per instruction instead
 (:func:`unpack_minus_zero_f16`): the same exponent trick on both 16-bit halves of a register gives an
@@ -25,7 +25,7 @@ from .pdl import pdl_start, prefetch_l2
 
 # Passed to every kernel as a run-time argument, never written as a literal in them: a run-time value
 # makes the shifted masks loop-invariant registers, where literals get re-materialised by ptxas
-# before every LOP3 that uses them (one extra MOV per weight; ``kernels/sass_stats.py`` shows it).
+# before every LOP3 that uses them (one extra MOV per weight; ``kernels/audit/sass_stats.py`` shows it).
 NIBBLE_MASK = 15
 
 
@@ -46,7 +46,7 @@ def unpack_minus_zero(words, z, nibble_mask, BLOCK_K: tl.constexpr):
     fractional z would be rounded) gives ``q - z`` in one FADD. The
     mantissa has 23 bits, so nibbles 0-4 (bits 0..19) are read in place and nibbles 5-7 after one
     shift of the word by 12 (bits 8..19). Per weight: one LOP3 and one FADD in SASS
-    (``python -m lightinfer.kernels.sass_stats`` counts them).
+    (``python -m lightinfer.kernels.audit.sass_stats`` counts them).
     """
     rep = tl.interleave(words, words)
     rep = tl.interleave(rep, rep)

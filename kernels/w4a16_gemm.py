@@ -1,6 +1,6 @@
 """W4A16 GEMM: ``y[M, N] = x[M, K] @ dequant(W)[K, N] (+ bias)`` with 4-bit AWQ weights.
 
-Weights are in the run-time layout of :mod:`lightinfer.kernels.reference`::
+Weights are in the run-time layout of :mod:`lightinfer.kernels.w4_layout`::
 
     qweight int32 [N, K // 8]   nibble i of word j of row n = code of (k = 8 j + i, n)
     scales  [K // G, N], zeros [K // G, N] (integer zero point as a float)
@@ -33,18 +33,16 @@ is the rule, four times per decoder layer.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import (
+from . import switches
+from .launch_utils import (
+    COMPILE_OPTIONS,
     FLOAT_DTYPES,
-    TRITON_DTYPE,
-    LaunchSpec,
-    SplitKPartials,
     check_device,
     interpreting,
     next_pow2,
@@ -52,6 +50,8 @@ from ._common import (
     upcast_dot,
 )
 from .pdl import pdl_launch, pdl_start
+from .split_k import SplitKPartials
+from .split_k_jit import sum_split_k
 from .w4_decode import (
     NIBBLE_MASK,
     decode_minus_zero,
@@ -128,7 +128,7 @@ TILED_CONFIGS: list[TiledConfig] = [
     TiledConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
 ]
 # Before Hopper (sm_80/86/89: mma.sync, 64K registers per SM) the 64-row tile at 4 warps needs 254
-# registers per thread (``python -m lightinfer.kernels.smem_check --arch 86``): one 4-warp block per
+# registers per thread (``python -m lightinfer.kernels.audit.smem_check --arch 86``): one 4-warp block per
 # SM, too few warps to hide memory latency. At 8 warps it needs 128. Chosen from register counts;
 # not yet timed on a consumer card.
 TILED_CONFIGS_PRE_HOPPER: list[TiledConfig] = [
@@ -151,21 +151,8 @@ REDUCE_NUM_WARPS = 4
 
 
 @triton.jit
-def sum_split_k(row_ptr, bias_ptr, offs, mask, stride_split, num_splits, HAS_BIAS: tl.constexpr, dtype: tl.constexpr):
-    """The output ``y[row, offs]`` from split-K partials at ``row_ptr + s * stride_split + offs``: splits summed
-    in order in fp32, plus ``bias[offs]``, rounded to ``dtype``. The one definition of that sum: the
-    reduction kernel and the ops that take :class:`SplitKPartials` all call it, so they agree bit for bit."""
-    acc = tl.load(row_ptr + offs, mask=mask, other=0.0)
-    for s in range(1, num_splits):
-        acc += tl.load(row_ptr + s * stride_split + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return acc.to(dtype)
-
-
-@triton.jit
-def _split_k_reduce_kernel(ws_ptr, bias_ptr, y_ptr, N, num_splits, stride_ws, stride_wm, stride_ym,
-                           HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False):
+def split_k_reduce_kernel(ws_ptr, bias_ptr, y_ptr, N, num_splits, stride_ws, stride_wm, stride_ym,
+                          HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False):
     pdl_start(USE_PDL)  # before any memory access (kernels/pdl.py)
     # One program per (row, BLOCK_N columns).
     m = tl.program_id(0)
@@ -177,7 +164,7 @@ def _split_k_reduce_kernel(ws_ptr, bias_ptr, y_ptr, N, num_splits, stride_ws, st
 
 
 @triton.jit
-def _w4a16_gemv_kernel(
+def w4a16_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
     M, N, stride_xm, stride_qn, stride_sg, stride_ym, stride_ys, num_groups, groups_per_split, nibble_mask,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -188,7 +175,7 @@ def _w4a16_gemv_kernel(
     # [BLOCK_N, GROUP_SIZE] tile, and each (row, word) accumulates its 8 products in one FFMA
     # chain (a tl.sum tree over unpacked weights pairs them into FMUL + FFMA + FADD).
     # ``nibble_mask`` is 15, passed at run time so that the shifted masks are loop-invariant
-    # registers: as literals ptxas re-materialises them before every LOP3 (kernels/sass_stats.py).
+    # registers: as literals ptxas re-materialises them before every LOP3 (kernels/audit/sass_stats.py).
     #
     # Loads run ahead of their use, so a program does not sit out a DRAM latency every group (the
     # H200 run of the version that loaded and used in the same step reached 33-35% of the copy
@@ -241,7 +228,7 @@ def _w4a16_gemv_kernel(
 
 
 @triton.jit
-def _w4_dequant_kernel(
+def w4_dequant_kernel(
     qw_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_qn, stride_sg, stride_wn, nibble_mask,
     GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_PDL: tl.constexpr = False, F16_DECODE: tl.constexpr = False, USE_PTX: tl.constexpr = False,
@@ -326,17 +313,13 @@ def tiled_config(m: int, device: torch.device | None = None) -> TiledConfig:
     return next((c for c in configs if c.block_m >= m), configs[-1])
 
 
-F16_DECODE_ENV_VAR = "LIGHTINFER_F16_DECODE"
-
-
 def f16_decode(dtype: torch.dtype, scale_dtype: torch.dtype = torch.float16, ptx: bool | None = None) -> dict[str, bool]:
     """The tensor-core and dequant kernels' decode constexprs for activations (or output) of ``dtype`` and scales of
     ``scale_dtype``: fp16 pairs (``F16_DECODE``, :func:`.w4_decode.unpack_minus_zero_f16`) when both are fp16 (an
     fp32 scale would be rounded to fp16 before the multiply), in PTX (``USE_PTX``) unless ``ptx`` says otherwise;
     by default everywhere but the CPU interpreter. Other dtypes keep the fp32 decode, and so does fp16 with
-    ``LIGHTINFER_F16_DECODE=0`` (a switch for comparing the two on a GPU)."""
-    on = (dtype == torch.float16 and scale_dtype == torch.float16
-          and os.environ.get(F16_DECODE_ENV_VAR, "1") != "0")
+    ``LIGHTINFER_F16_DECODE=0`` (``switches.py``: for comparing the two on a GPU)."""
+    on = dtype == torch.float16 and scale_dtype == torch.float16 and switches.current().f16_decode
     return {"F16_DECODE": on, "USE_PTX": not interpreting() if ptx is None else ptx}
 
 
@@ -375,9 +358,9 @@ def _dequantize_into(w: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     n, k = qweight.shape[0], qweight.shape[1] * 8
     g = k // scales.shape[0]
     grid = (triton.cdiv(n, DEQUANT_BLOCK_N), k // g)
-    _w4_dequant_kernel[grid](qweight, scales, zeros, w, n, k, qweight.stride(0), scales.stride(0), w.stride(0), NIBBLE_MASK,
-                             GROUP_SIZE=g, BLOCK_N=DEQUANT_BLOCK_N, num_warps=DEQUANT_NUM_WARPS,
-                             **f16_decode(w.dtype, scales.dtype), **pdl_launch(w.device))
+    w4_dequant_kernel[grid](qweight, scales, zeros, w, n, k, qweight.stride(0), scales.stride(0), w.stride(0), NIBBLE_MASK,
+                            GROUP_SIZE=g, BLOCK_N=DEQUANT_BLOCK_N, num_warps=DEQUANT_NUM_WARPS,
+                            **f16_decode(w.dtype, scales.dtype), **pdl_launch(w.device), **COMPILE_OPTIONS)
 
 
 def dequant_slab_rows(n: int, k: int, elem_bytes: int) -> int:
@@ -482,9 +465,9 @@ def w4a16_gemm_path(
                       device=x.device)
     bias_arg = bias if bias is not None else x  # unused pointer of the dtype a bias would have
     common = {"HAS_BIAS": bias is not None, "SPLIT": split > 1, "num_warps": launch.num_warps,
-              "num_stages": launch.num_stages, **pdl_launch(x.device, prefetch=True)}
+              "num_stages": launch.num_stages, **pdl_launch(x.device, prefetch=True), **COMPILE_OPTIONS}
     if launch.path == "gemv":
-        _w4a16_gemv_kernel[(grid_mn[1], split)](
+        w4a16_gemv_kernel[(grid_mn[1], split)](
             x, qweight, scales, zeros, bias_arg, out, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
             n, m * n, num_k_steps, steps_per_split, NIBBLE_MASK, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n,
             NUM_STAGES=launch.num_stages, **common)
@@ -499,9 +482,9 @@ def w4a16_gemm_path(
     if defer_reduce:
         return SplitKPartials(out, bias, x.dtype)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _split_k_reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK_N))](
+    split_k_reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK_N))](
         out, bias_arg, y, n, split, m * n, n, n, HAS_BIAS=bias is not None, BLOCK_N=REDUCE_BLOCK_N,
-        num_warps=REDUCE_NUM_WARPS, **pdl_launch(x.device))
+        num_warps=REDUCE_NUM_WARPS, **pdl_launch(x.device), **COMPILE_OPTIONS)
     return y
 
 
@@ -530,50 +513,3 @@ def w4a16_gemm(
         ValueError: bad shapes, dtypes, strides or devices (CPU needs ``TRITON_INTERPRET=1``).
     """
     return w4a16_gemm_path(x, qweight, scales, zeros, bias, defer_reduce=defer_reduce)
-
-
-# ----------------------------------------------------------------------------- compile specs
-
-
-def launch_specs(dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> list[LaunchSpec]:
-    """Every kernel variant the launcher can start (per activation dtype), for the smem check."""
-    specs: list[LaunchSpec] = []
-    for dt in dtypes:
-        f = "*" + TRITON_DTYPE[dt]
-        base = {"x_ptr": f, "qw_ptr": "*i32", "s_ptr": f, "z_ptr": f, "bias_ptr": f}
-        ints = ["M", "N", "stride_xm", "stride_qn", "stride_sg", "stride_ym", "stride_ys"]
-        for cfg in GEMV_CONFIGS:
-            for block_m in sorted({next_pow2(m) for m in range(1, GEMV_MAX_M + 1)}):
-                for split in (False, True):
-                    sig = {**base, "y_ptr": "*fp32" if split else f, **{i: "i32" for i in ints},
-                           "num_groups": "i32", "groups_per_split": "i32", "nibble_mask": "i32"}
-                    ce = {"GROUP_SIZE": cfg.group_size, "BLOCK_M": block_m, "BLOCK_N": cfg.rows(block_m),
-                          "NUM_STAGES": cfg.num_stages, "HAS_BIAS": True, "SPLIT": split}
-                    specs.append(LaunchSpec(f"w4a16_gemv[{dt}]", _w4a16_gemv_kernel, {**sig, **dict.fromkeys(ce, "constexpr")},
-                                            ce, cfg.num_warps, cfg.num_stages))
-        # The tiled path's configurations, and the swap_ab path's forced defaults (tuned files bring their own).
-        tensor_core = [("w4a16_tiled", False, t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages)
-                       for t in dict.fromkeys(TILED_CONFIGS + TILED_CONFIGS_PRE_HOPPER)]
-        for block_m in (16, 32, 64):
-            la = default_launch(block_m, 4096, 4096, 128, torch.device("cpu"), "swap_ab")
-            tensor_core.append(("w4a16_swap_ab", True, la.block_m, la.block_n, la.block_k, la.num_warps, la.num_stages))
-        for name, swap, block_m, block_n, block_k, num_warps, num_stages in tensor_core:
-            for g in SUPPORTED_GROUP_SIZES:
-                for split in (False, True):
-                    sig = {**base, "y_ptr": "*fp32" if split else f, **{i: "i32" for i in ints},
-                           "num_k_steps": "i32", "steps_per_split": "i32", "nibble_mask": "i32"}
-                    ce = {"GROUP_SIZE": g, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": min(block_k, g),
-                          "HAS_BIAS": True, "SPLIT": split, "UPCAST_DOT": False, "SWAP_AB": swap,
-                          **f16_decode(dt, dt, ptx=True)}
-                    specs.append(LaunchSpec(f"{name}[{dt}]", w4a16_tiled_kernel, {**sig, **dict.fromkeys(ce, "constexpr")},
-                                            ce, num_warps, num_stages))
-        for g in SUPPORTED_GROUP_SIZES:
-            ce = {"GROUP_SIZE": g, "BLOCK_N": DEQUANT_BLOCK_N, **f16_decode(dt, dt, ptx=True)}
-            sig = {"qw_ptr": "*i32", "s_ptr": f, "z_ptr": f, "w_ptr": f, "N": "i32", "K": "i32", "stride_qn": "i32",
-                   "stride_sg": "i32", "stride_wn": "i32", "nibble_mask": "i32", **dict.fromkeys(ce, "constexpr")}
-            specs.append(LaunchSpec(f"w4_dequant[{dt}]", _w4_dequant_kernel, sig, ce, DEQUANT_NUM_WARPS, 1))
-        ce = {"HAS_BIAS": True, "BLOCK_N": REDUCE_BLOCK_N}
-        sig = {"ws_ptr": "*fp32", "bias_ptr": f, "y_ptr": f, "N": "i32", "num_splits": "i32", "stride_ws": "i32",
-               "stride_wm": "i32", "stride_ym": "i32", **dict.fromkeys(ce, "constexpr")}
-        specs.append(LaunchSpec(f"w4a16_split_k_reduce[{dt}]", _split_k_reduce_kernel, sig, ce, REDUCE_NUM_WARPS, 1))
-    return specs

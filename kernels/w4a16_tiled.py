@@ -10,7 +10,7 @@ the *A* operand, which wgmma takes straight from registers (Hopper's mixed-input
 use this order for the same reason), while x, a plain load, is B and streams into shared memory
 asynchronously. The weight rows become the MMA's M dimension (64 per warp group, which N always fills)
 and the tokens its N dimension, which can be as small as 16: a decode batch of 3..16 no longer pads the
-tile the weights flow through. ``python -m lightinfer.kernels.sass_stats`` counts both.
+tile the weights flow through. ``python -m lightinfer.kernels.audit.sass_stats`` counts both.
 
 Both: ``BLOCK_K`` divides the group size, so one K step lies in one group (one scale and zero per weight
 row); x and the weight words are software-pipelined (``num_stages``: they feed ``tl.dot``), scales and

@@ -17,16 +17,15 @@ File format (JSON)::
 An entry keyed ``"M"`` serves every M above the next smaller key, up to M; above the largest key the
 built-in choice serves. ``us`` / ``default_us`` (the built-in choice in the same run) are informational.
 
-``LIGHTINFER_W4A16_CONFIGS`` overrides the lookup: a path to one such file (used whatever the device,
-the CPU interpreter included: tests), or ``none`` to use the built-in choices everywhere (benchmarks
-compare the two in one run that way).
+``LIGHTINFER_W4A16_CONFIGS`` (``switches.py``) overrides the lookup: a path to one such file (used whatever
+the device, the CPU interpreter included: tests), or ``none`` to use the built-in choices everywhere
+(benchmarks compare the two in one run that way).
 """
 
 from __future__ import annotations
 
 import bisect
 import json
-import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,8 +33,9 @@ from typing import Any
 
 import torch
 
+from . import switches
+
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-ENV_VAR = "LIGHTINFER_W4A16_CONFIGS"
 PATHS = ("gemv", "tiled", "swap_ab", "dequant")
 _LAUNCH_FIELDS = ("path", "block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k")
 
@@ -115,7 +115,7 @@ def parse_file(path: Path) -> dict[str, list[tuple[int, W4Launch]]]:
             raise TypeError("'entries' is not an object")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a W4A16 tuned-config file ({e}); regenerate it with bench/tune_w4a16.py "
-                         f"or unset {ENV_VAR}") from e
+                         f"or unset {switches.W4A16_CONFIGS_ENV}") from e
     table: dict[str, list[tuple[int, W4Launch]]] = {}
     for key, by_m in entries.items():
         match = re.fullmatch(r"N=(\d+),K=(\d+),G=(\d+)", key)
@@ -164,7 +164,7 @@ def tuned_launch(device: torch.device, m: int, n: int, k: int, group_size: int) 
     Raises:
         ValueError: the device's file (or ``LIGHTINFER_W4A16_CONFIGS``'s) is malformed.
     """
-    override = os.environ.get(ENV_VAR)
+    override = switches.current().w4a16_configs
     memo = (override, device.type, device.index, n, k, group_size)
     found = _LOOKUP.get(memo)
     if found is None:

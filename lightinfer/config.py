@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lightinfer.kernels import KV_BLOCK_SIZES
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -15,7 +17,6 @@ _DTYPES = {
 KV_CACHE_DTYPES = ("auto", "int8")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("awq",)
-KV_BLOCK_SIZES = (8, 16, 32)  # tokens per KV block; the kernels' spill check compiles each
 CPU_DEFAULT_KV_CACHE_BYTES = 512 * 2**20  # a CPU has no memory profiler of ours: a fixed default
 
 

@@ -10,7 +10,6 @@ from lightinfer.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from lightinfer.dummy_weights import init_dummy_weights
 from lightinfer.engine.cpu_malloc import tune_malloc_for_cpu_inference
 from lightinfer.engine.cuda_graph import CudaGraphCaptureError, DecodeGraphRunner, graph_batch_sizes
-from lightinfer.engine.kv_cache import KVCacheSpec
 from lightinfer.engine.memory import (
     available_host_bytes,
     check_host_memory,
@@ -21,6 +20,7 @@ from lightinfer.engine.memory import (
 )
 from lightinfer.engine.scheduler import SchedulerOutput
 from lightinfer.engine.step_inputs import StepInputs, block_table_tensor, build_step_inputs, select_rows
+from lightinfer.kernels import KVCacheSpec, decode_workspace_bytes
 from lightinfer.layers.attention import Attention, AttentionMetadata, set_context
 from lightinfer.layers.embed_head import VocabEmbedding
 from lightinfer.layers.fusion import fuse_model
@@ -199,13 +199,10 @@ class ModelRunner:
         return int(num_blocks)
 
     def _allocate_kv_cache(self) -> None:
-        # One tensor per kind for all layers, each layer a contiguous view: per-layer tensors would
-        # each be rounded up by the CUDA caching allocator (up to 2 MiB x 6 x layers, unplanned).
-        for layer, tensors in zip(self.attention_layers,
-                                  self.kv_spec.allocate_layers(len(self.attention_layers), self.num_blocks, self.device)):
-            layer.k_cache, layer.v_cache = tensors["k_cache"], tensors["v_cache"]
-            layer.k_scale, layer.k_zero = tensors.get("k_scale"), tensors.get("k_zero")
-            layer.v_scale, layer.v_zero = tensors.get("v_scale"), tensors.get("v_zero")
+        # One tensor per kind for all layers, each layer's PagedKV contiguous views of them (KVCacheSpec).
+        for layer, kv in zip(self.attention_layers,
+                             self.kv_spec.allocate_layers(len(self.attention_layers), self.num_blocks, self.device)):
+            layer.kv_cache = kv
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -215,9 +212,7 @@ class ModelRunner:
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
         for layer in self.attention_layers:
-            for t in (layer.k_cache, layer.v_cache, layer.k_scale, layer.k_zero, layer.v_scale, layer.v_zero):
-                if t is not None:
-                    t[dst] = t[src]
+            layer.kv_cache.copy_blocks(src, dst)
 
     def _embedding_on_host(self) -> bool:
         """Whether the input embedding stays in host memory (CUDA only; see EngineConfig)."""
@@ -229,17 +224,10 @@ class ModelRunner:
         """The split decode kernel's fp32 partials at the captured batch sizes (the largest of
         them: the graphs share one pool). Graphs pass block tables as wide as max_model_len, so
         these buffers grow with it; an eager profiling forward has none of them."""
-        from lightinfer.kernels._common import next_pow2
-        from lightinfer.kernels.paged_attention import decode_split_plan
-
         spec, heads = self.kv_spec, self.attention_layers[0].num_heads
         max_ctx = spec.blocks_for(int(self.config.max_model_len)) * spec.block_size
-        worst = 0
-        for bs in graph_batch_sizes(self._max_decode_batch()):
-            splits, _ = decode_split_plan(bs, spec.num_kv_heads, max_ctx, self.device)
-            if splits > 1:  # [bs, heads, splits, BLOCK_D] accumulators + [.., 2] max/sum
-                worst = max(worst, bs * heads * splits * (max(16, next_pow2(spec.head_dim)) + 2) * 4)
-        return worst
+        return max(decode_workspace_bytes(bs, heads, spec.num_kv_heads, spec.head_dim, max_ctx, self.device)
+                   for bs in graph_batch_sizes(self._max_decode_batch()))
 
     # ------------------------------------------------------------------ CUDA graphs
     def _uses_cuda_graphs(self) -> bool:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightinfer.kernels._common import SplitKPartials
+from lightinfer.kernels import PagedKV, SplitKPartials
 from lightinfer.layers.ops import ops_for
 from lightinfer.layers.rotary import RotaryEmbedding
 
@@ -89,9 +89,9 @@ def no_cache_context(cu_seqlens: torch.Tensor) -> Iterator[None]:
 class Attention(nn.Module):
     """Scaled dot-product attention over the paged KV cache (GQA-aware).
 
-    The model runner binds ``k_cache``/``v_cache`` ``[num_blocks, block_size, num_kv_heads,
-    head_dim]`` (and for INT8 ``k_scale``/``k_zero``/``v_scale``/``v_zero``) after allocating
-    the pool; see ``kernels/reference.py`` for the layout.
+    The model runner binds ``kv_cache``, this layer's :class:`~lightinfer.kernels.PagedKV`, after
+    allocating the pool (``kernels/paged_kv.py`` for the layout); without one (None) the layer attends
+    within the batch only.
     """
 
     accepts_split_k_partials = True  # forward_qkv sums a fused qkv GEMM's partials (layers/fusion.py)
@@ -99,19 +99,18 @@ class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
-        self.k_cache = self.v_cache = torch.tensor([])
-        self.k_scale = self.k_zero = self.v_scale = self.v_zero = None
+        self.kv_cache: PagedKV | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[T, H, D]``, k/v ``[T, Hkv, D]`` -> ``[T, H * D]``."""
         ctx = get_context()
         ops = ops_for(q)
-        if ctx.no_cache or self.k_cache.numel() == 0:
+        if ctx.no_cache or self.kv_cache is None:
             assert ctx.cu_seqlens_q is not None, "no KV cache bound and no cu_seqlens to attend within"
             out = ops.varlen_causal_attention(q, k, v, ctx.cu_seqlens_q, self.scale)
             return out.reshape(q.shape[0], -1)
-        ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, *self._scales)
-        return self._attend(q, ctx)
+        ops.store_kvcache(k, v, self.kv_cache, ctx.slot_mapping)
+        return self._attend(q, self.kv_cache, ctx)
 
     def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor | SplitKPartials,
                     rotary_emb: RotaryEmbedding) -> torch.Tensor:
@@ -129,15 +128,14 @@ class Attention(nn.Module):
             ``[T, H * D]``.
         """
         ctx = get_context()
-        if ctx.no_cache or self.k_cache.numel() == 0:
+        if ctx.no_cache or self.kv_cache is None:
             q, k, v = self.split_qkv(qkv.reduced() if isinstance(qkv, SplitKPartials) else qkv)
             q, k = rotary_emb(positions, q, k)
             return self.forward(q, k, v)
         x = qkv.partials if isinstance(qkv, SplitKPartials) else qkv
         q = ops_for(x).rope_store_kvcache(positions, qkv, self.num_heads, self.num_kv_heads, rotary_emb.cos_cache,
-                                          rotary_emb.sin_cache, self.k_cache, self.v_cache, ctx.slot_mapping,
-                                          *self._scales)
-        return self._attend(q, ctx)
+                                          rotary_emb.sin_cache, self.kv_cache, ctx.slot_mapping)
+        return self._attend(q, self.kv_cache, ctx)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A fused projection's ``[T, (H + 2 Hkv) * D]`` -> views q ``[T, H, D]``, k, v ``[T, Hkv, D]``."""
@@ -145,23 +143,15 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         return q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d), v.reshape(t, self.num_kv_heads, d)
 
-    @property
-    def _scales(self) -> tuple[torch.Tensor | None, ...]:
-        return self.k_scale, self.k_zero, self.v_scale, self.v_zero
-
-    def _attend(self, q: torch.Tensor, ctx: AttentionMetadata) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, kv: PagedKV, ctx: AttentionMetadata) -> torch.Tensor:
         """q ``[T, H, D]`` against the cache (this step's k/v already in it) -> ``[T, H * D]``."""
         ops = ops_for(q)
-        scales = self._scales
         out = torch.empty_like(q)
         nd = ctx.num_decodes
         if nd:
-            out[:nd] = ops.paged_attention_decode(
-                q[:nd], self.k_cache, self.v_cache, ctx.decode_block_tables, ctx.decode_context_lens, self.scale, *scales
-            )
+            out[:nd] = ops.paged_attention_decode(q[:nd], kv, ctx.decode_block_tables, ctx.decode_context_lens,
+                                                  self.scale)
         if nd < q.shape[0]:
-            out[nd:] = ops.paged_attention_prefill(
-                q[nd:], self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.context_lens[nd:],
-                ctx.block_tables[nd:], self.scale, *scales,
-            )
+            out[nd:] = ops.paged_attention_prefill(q[nd:], kv, ctx.cu_seqlens_q, ctx.context_lens[nd:],
+                                                   ctx.block_tables[nd:], self.scale)
         return out.reshape(q.shape[0], -1)

@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightinfer.kernels._common import SplitKPartials
-from lightinfer.kernels.reference import dequantize_w4, repack_awq_to_runtime
+from lightinfer.kernels import SplitKPartials, dequantize_w4, repack_awq_to_runtime
 from lightinfer.layers.cpu_gemm import PackedWeight, can_pack
 from lightinfer.layers.ops import ops_for, uses_triton
 

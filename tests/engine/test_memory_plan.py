@@ -110,23 +110,6 @@ def test_model_runner_cuda_budget_wiring(tmp_path, monkeypatch) -> None:
     assert profiled == []  # the weights check comes before any profiling
 
 
-def test_kv_cache_is_one_allocation_per_kind() -> None:
-    import torch
-
-    from lightinfer.engine.kv_cache import KVCacheSpec
-
-    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=16, dtype=torch.int8)
-    layers = spec.allocate_layers(3, 5, torch.device("cpu"))
-    assert len(layers) == 3 and set(layers[0]) == {"k_cache", "v_cache", "k_scale", "k_zero", "v_scale", "v_zero"}
-    for name in layers[0]:
-        views = [t[name] for t in layers]
-        assert all(v.is_contiguous() and v.shape[0] == 5 for v in views)
-        assert len({v.untyped_storage().data_ptr() for v in views}) == 1  # one tensor underneath
-        assert len({v.data_ptr() for v in views}) == 3  # disjoint layer slices
-    layers[1]["k_cache"].fill_(7)
-    assert layers[0]["k_cache"].abs().sum() == 0 and layers[2]["k_cache"].abs().sum() == 0
-
-
 def test_profile_run_covers_the_step_budget_in_several_sequences(tmp_path) -> None:
     """max_model_len below the step budget: the probe still runs max_num_batched_tokens tokens
     (as several sequences, positions inside the rotary table) and the logits of a full step."""

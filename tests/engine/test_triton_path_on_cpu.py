@@ -3,7 +3,8 @@ interpreter) instead of their PyTorch twins, through the real engine.
 
 This is what a CUDA device runs, minus CUDA graphs: W4A16 GEMV / tiled with split-K partials left
 to the next op, fused add + RMSNorm with the deferred residual, RoPE + INT8 KV store in one op
-(``rope_store_kvcache``), paged prefill (chunked) and decode with the whole-page gather. It is compared with the reference path on the same weights.
+(``rope_store_kvcache``), paged prefill (chunked) and decode with the whole-page gather. It is compared with the
+CPU engine's path (the ``torch_cpu`` backend) on the same weights.
 """
 
 from __future__ import annotations
@@ -44,19 +45,19 @@ class _CountingLaunch:
 
 
 @pytest.mark.parametrize("arch,kv_cache_dtype", [("llama", "int8"), ("llama", "auto"), ("qwen2", "int8")])
-def test_triton_path_matches_reference_path(tmp_path_factory: pytest.TempPathFactory, arch: str, kv_cache_dtype: str,
+def test_triton_path_matches_torch_cpu_path(tmp_path_factory: pytest.TempPathFactory, arch: str, kv_cache_dtype: str,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightinfer.kernels import SplitKPartials, get_backend
     from lightinfer.kernels import w4a16_gemm as wg
-    from lightinfer.kernels._common import SplitKPartials
 
     from lightinfer import LLM, SamplingParams
-    from lightinfer.layers import ops
     from lightinfer.layers.ops import triton_on_cpu
 
     # Count what the Triton path calls, to be sure it is the one that ran.
     calls: dict[str, int] = {}
-    namespace = ops._triton_ops()
-    for name, fn in vars(namespace).copy().items():
+    namespace = get_backend("triton")
+    for name in namespace.__all__:
+        fn = getattr(namespace, name)
         def counted(*args: object, _fn: object = fn, _name: str = name, **kwargs: object) -> object:
             calls[_name] = calls.get(_name, 0) + 1
             out = _fn(*args, **kwargs)
@@ -64,9 +65,9 @@ def test_triton_path_matches_reference_path(tmp_path_factory: pytest.TempPathFac
                 calls["deferred_split_k"] = calls.get("deferred_split_k", 0) + 1
             return out
         monkeypatch.setattr(namespace, name, counted)
-    gemv, reduce = _CountingLaunch(wg._w4a16_gemv_kernel), _CountingLaunch(wg._split_k_reduce_kernel)
-    monkeypatch.setattr(wg, "_w4a16_gemv_kernel", gemv)
-    monkeypatch.setattr(wg, "_split_k_reduce_kernel", reduce)
+    gemv, reduce = _CountingLaunch(wg.w4a16_gemv_kernel), _CountingLaunch(wg.split_k_reduce_kernel)
+    monkeypatch.setattr(wg, "w4a16_gemv_kernel", gemv)
+    monkeypatch.setattr(wg, "split_k_reduce_kernel", reduce)
 
     tiny_dir = _tiny_dir(tmp_path_factory, arch)
     rng = random.Random(0)

@@ -18,6 +18,7 @@ pytestmark = [
 ]
 
 if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    from lightinfer.kernels import PagedKV, SplitKPartials, switches
     from lightinfer.kernels import norm_rope as nr
     from lightinfer.kernels import reference as ref
     from lightinfer.kernels import w4a16_gemm as wg
@@ -34,11 +35,11 @@ LINEAR_SHAPES = [(4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096),
                  (4096, 6144), (4096, 28672), (14336, 4096)]
 
 
-def _int8_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
-    """Zeroed INT8 ``(k_cache, v_cache, k_scale, k_zero, v_scale, v_zero)`` on the GPU."""
+def _int8_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> PagedKV:
+    """A zeroed INT8 cache on the GPU (scales and zeros contiguous)."""
     kc = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.int8, device=DEV)
     aux = [torch.zeros(num_blocks, block_size, num_kv_heads, dtype=torch.float16, device=DEV) for _ in range(4)]
-    return (kc, torch.zeros_like(kc), *aux)
+    return PagedKV(kc, torch.zeros_like(kc), *aux)
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -87,7 +88,7 @@ def test_f16_pair_decode_ptx_is_exact(path: str) -> None:
             assert torch.equal(got, exact.expand(5, n)), (path, k0, split_k)
 
 
-def test_f16_pair_decode_same_bits_as_fp32_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_f16_pair_decode_same_bits_as_fp32_decode() -> None:
     """With real fp16 scales (subnormal ones too) the pair decode's scaled tiles (scale_rows: tiled above 32 rows,
     swap_ab above 64 tokens, dequant) give the same bits as the fp32 decode (LIGHTINFER_F16_DECODE=0)."""
     qweight, scales, zeros = _weights(4096, 4096, 128)
@@ -96,14 +97,18 @@ def test_f16_pair_decode_same_bits_as_fp32_decode(monkeypatch: pytest.MonkeyPatc
     launches = [wg.W4Launch("tiled", 64, 128, 64, 4, 3), wg.W4Launch("swap_ab", 128, 128, 64, 8, 3),
                 wg.W4Launch("dequant")]
     pair = [wg.w4a16_gemm_path(x, qweight, scales, zeros, launch=la) for la in launches]
-    monkeypatch.setenv(wg.F16_DECODE_ENV_VAR, "0")
-    for la, got in zip(launches, pair):
-        assert torch.equal(wg.w4a16_gemm_path(x, qweight, scales, zeros, launch=la), got), la
+    with switches.override(f16_decode=False):
+        for la, got in zip(launches, pair):
+            assert torch.equal(wg.w4a16_gemm_path(x, qweight, scales, zeros, launch=la), got), la
 
 
-def test_deferred_split_k_into_norm_and_silu_real_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_deferred_split_k_into_norm_and_silu_real_shapes() -> None:
     """o/down GEMM partials into the fused add + norm, gate_up partials into SiLU: identical to reducing first."""
-    monkeypatch.setenv("LIGHTINFER_W4A16_CONFIGS", "none")  # the built-in launch splits K at M=1; a tuned one may not
+    with switches.override(w4a16_configs="none"):  # the built-in launch splits K at M=1; a tuned one may not
+        _deferred_split_k_into_norm_and_silu()
+
+
+def _deferred_split_k_into_norm_and_silu() -> None:
     for k, n in ((4096, 4096), (4096, 28672)):
         qweight, scales, zeros = _weights(n, k, 128)
         x = torch.randn(1, k, device=DEV, dtype=torch.float16)
@@ -160,7 +165,8 @@ def test_w4a16_small_groups_ragged_n_bf16(g: int, n: int) -> None:
 
 
 def _paged(ctx: list[int], num_kv_heads: int, head_dim: int, block_size: int, int8: bool):
-    """Random K/V for each sequence stored (by our kernel) into shuffled blocks; returns the dense K/V too."""
+    """Random K/V for each sequence stored (by our kernel) into shuffled blocks of a new cache: returns the
+    :class:`PagedKV`, the block table, the lengths and the dense K/V."""
     nblk = [(c + block_size - 1) // block_size for c in ctx]
     num_blocks = sum(nblk) + 8
     perm = torch.randperm(num_blocks, device=DEV)
@@ -169,6 +175,7 @@ def _paged(ctx: list[int], num_kv_heads: int, head_dim: int, block_size: int, in
     kc = torch.zeros(shape, dtype=torch.int8 if int8 else torch.float16, device=DEV)
     vc = torch.zeros_like(kc)
     aux = [torch.zeros(shape[:3], dtype=torch.float16, device=DEV) for _ in range(4)] if int8 else [None] * 4
+    kv = PagedKV(kc, vc, *aux)
     dense = []
     used = 0
     for s, (n, nb) in enumerate(zip(ctx, nblk)):
@@ -178,20 +185,20 @@ def _paged(ctx: list[int], num_kv_heads: int, head_dim: int, block_size: int, in
         slots = table[s, pos // block_size].long() * block_size + pos % block_size
         k = torch.randn(n, num_kv_heads, head_dim, device=DEV, dtype=torch.float16)
         v = torch.randn(n, num_kv_heads, head_dim, device=DEV, dtype=torch.float16)
-        store_kvcache(k, v, kc, vc, slots, *aux)
+        store_kvcache(k, v, kv, slots)
         dense.append((k, v))
-    return kc, vc, table, torch.tensor(ctx, dtype=torch.int32, device=DEV), aux, dense
+    return kv, table, torch.tensor(ctx, dtype=torch.int32, device=DEV), dense
 
 
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(32, 32), (32, 8), (64, 8)])
 def test_decode_real_shapes(int8: bool, num_heads: int, num_kv_heads: int) -> None:
     ctx = [1, 15, 16, 17, 511, 512, 513, 4000]
-    kc, vc, table, lens, aux, _ = _paged(ctx, num_kv_heads, 128, 16, int8)
+    kv, table, lens, _ = _paged(ctx, num_kv_heads, 128, 16, int8)
     q = torch.randn(len(ctx), num_heads, 128, device=DEV, dtype=torch.float16)
-    want = ref.paged_attention_decode(q, kc, vc, table, lens, 128**-0.5, *aux)
-    assert _rel_err(paged_attention_decode(q, kc, vc, table, lens, 128**-0.5, *aux), want) < 2e-3
-    one = paged_attention_decode_impl(q, kc, vc, table, lens, 128**-0.5, *aux, partition_size=8192)
+    want = ref.paged_attention_decode(q, kv, table, lens, 128**-0.5)
+    assert _rel_err(paged_attention_decode(q, kv, table, lens, 128**-0.5), want) < 2e-3
+    one = paged_attention_decode_impl(q, kv, table, lens, 128**-0.5, partition_size=8192)
     assert _rel_err(one, want) < 2e-3
 
 
@@ -199,44 +206,44 @@ def test_int8_head_major_scales_real_shapes() -> None:
     """The engine's GPU layout of the INT8 scales (head-major: a head's tokens 1 apart, which Triton
     compiles as a constant stride) gives the same decode and prefill as the contiguous layout."""
     ctx = [1, 17, 513, 4000]
-    kc, vc, table, lens, aux, _ = _paged(ctx, 8, 128, 16, True)
-    hm = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in aux]
-    assert hm[0].stride(1) == 1
+    kv, table, lens, _ = _paged(ctx, 8, 128, 16, True)
+    hm = PagedKV(kv.k, kv.v, *[t.transpose(1, 2).contiguous().transpose(1, 2) for t in kv.scales])
+    assert hm.k_scale.stride(1) == 1
     q = torch.randn(len(ctx), 32, 128, device=DEV, dtype=torch.float16)
-    want = ref.paged_attention_decode(q, kc, vc, table, lens, 128**-0.5, *aux)
-    assert _rel_err(paged_attention_decode(q, kc, vc, table, lens, 128**-0.5, *hm), want) < 2e-3
+    want = ref.paged_attention_decode(q, kv, table, lens, 128**-0.5)
+    assert _rel_err(paged_attention_decode(q, hm, table, lens, 128**-0.5), want) < 2e-3
     cu = torch.tensor([0, 1, 18, 531, 4531], dtype=torch.int32, device=DEV)
     qp = torch.randn(4531, 32, 128, device=DEV, dtype=torch.float16)
-    want = ref.paged_attention_prefill(qp, kc, vc, cu, lens, table, 128**-0.5, *aux)
-    assert _rel_err(paged_attention_prefill(qp, kc, vc, cu, lens, table, 128**-0.5, *hm), want) < 2e-3
+    want = ref.paged_attention_prefill(qp, kv, cu, lens, table, 128**-0.5)
+    assert _rel_err(paged_attention_prefill(qp, hm, cu, lens, table, 128**-0.5), want) < 2e-3
 
 
 @pytest.mark.parametrize("int8", [False, True])
 def test_prefill_real_shapes(int8: bool) -> None:
     q_lens, prefix = [1, 300, 1000, 37], [0, 64, 500, 1]
     ctx = [p + n for p, n in zip(prefix, q_lens)]
-    kc, vc, table, lens, aux, _ = _paged(ctx, 8, 128, 16, int8)
+    kv, table, lens, _ = _paged(ctx, 8, 128, 16, int8)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
     q = torch.randn(sum(q_lens), 32, 128, device=DEV, dtype=torch.float16)
-    want = ref.paged_attention_prefill(q, kc, vc, cu, lens, table, 128**-0.5, *aux)
-    assert _rel_err(paged_attention_prefill(q, kc, vc, cu, lens, table, 128**-0.5, *aux), want) < 2e-3
+    want = ref.paged_attention_prefill(q, kv, cu, lens, table, 128**-0.5)
+    assert _rel_err(paged_attention_prefill(q, kv, cu, lens, table, 128**-0.5), want) < 2e-3
 
 
 def test_int8_kv_round_trip_error_bound() -> None:
     ctx = [2048, 777]
-    kc, vc, table, lens, aux, dense = _paged(ctx, 8, 128, 16, True)
-    ks, kz, vs, vz = aux
+    kv, table, lens, dense = _paged(ctx, 8, 128, 16, True)
     for s, (k, v) in enumerate(dense):
-        for cache, scale, zero, x in ((kc, ks, kz, k), (vc, vs, vz, v)):
-            back = ref.gather_kv(cache, table[s], ctx[s], scale, zero, torch.float32)
-            sc = ref.gather_kv(scale.unsqueeze(-1), table[s], ctx[s], None, None, torch.float32)
+        pos = torch.arange(ctx[s], device=DEV)
+        blk, off = table[s, pos // 16].long(), pos % 16
+        for back, scale, x in zip(ref.gather_kv(kv, table[s], ctx[s], torch.float32), (kv.k_scale, kv.v_scale), (k, v)):
+            sc = scale[blk, off].float().unsqueeze(-1)
             # half a quantization step + fp16 rounding of the stored zero point
             bound = sc / 2 + x.float().abs().amax(-1, keepdim=True) * 2**-10 + 1e-6
             assert ((back - x.float()).abs() <= bound).all()
     # end to end: attention over the int8 cache stays close to attention over the fp16 values
     q = torch.randn(2, 32, 128, device=DEV, dtype=torch.float16)
-    fp = torch.stack([ref._attend(q[i:i + 1], k, v, 128**-0.5, ctx[i] - 1)[0] for i, (k, v) in enumerate(dense)])
-    assert _rel_err(paged_attention_decode(q, kc, vc, table, lens, 128**-0.5, *aux), fp) < 2e-2
+    fp = torch.stack([ref.attend(q[i:i + 1], k, v, 128**-0.5, ctx[i] - 1)[0] for i, (k, v) in enumerate(dense)])
+    assert _rel_err(paged_attention_decode(q, kv, table, lens, 128**-0.5), fp) < 2e-2
 
 
 def test_kv_store_matches_reference_bitwise() -> None:
@@ -248,8 +255,8 @@ def test_kv_store_matches_reference_bitwise() -> None:
     out = []
     for fn in (ref.store_kvcache, store_kvcache):
         cache = _int8_cache(512, bs, h, d)
-        fn(key, value, *cache[:2], slots, *cache[2:])
-        out.append(cache)
+        fn(key, value, cache, slots)
+        out.append(cache.tensors())
     for a, b in zip(*out):
         assert torch.equal(a, b)
 
@@ -279,7 +286,6 @@ def test_norm_rope_act_real_shapes() -> None:
 def test_rope_store_real_shapes(num_heads: int, num_kv_heads: int) -> None:
     # The fused qkv epilogue (split-K partials + bias -> RoPE -> INT8 KV store) against the unfused
     # reference sequence: q to rounding, the cache codes within one step of the quantizer's grid.
-    from lightinfer.kernels._common import SplitKPartials
     from lightinfer.kernels.rope_store import rope_store_kvcache
 
     t, d, bs = 64, 128, 16
@@ -292,8 +298,8 @@ def test_rope_store_real_shapes(num_heads: int, num_kv_heads: int) -> None:
     out = []
     for fn in (ref.rope_store_kvcache, rope_store_kvcache):
         cache = _int8_cache(64, bs, num_kv_heads, d)
-        q = fn(pos, qkv, num_heads, num_kv_heads, *tables, *cache[:2], slots, *cache[2:])
-        out.append((q, *cache))
+        q = fn(pos, qkv, num_heads, num_kv_heads, *tables, cache, slots)
+        out.append((q, *cache.tensors()))
     (q_ref, *cache_ref), (q_got, *cache_got) = out
     assert _rel_err(q_got, q_ref) < 1e-3
     for got, want in zip(cache_got[:2], cache_ref[:2]):
@@ -302,7 +308,7 @@ def test_rope_store_real_shapes(num_heads: int, num_kv_heads: int) -> None:
         assert _rel_err(got, want) < 1e-3
 
 
-def test_pdl_chain_matches_plain_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pdl_chain_matches_plain_launches() -> None:
     """A decode-like chain (split-K GEMV -> fused add + RMSNorm on its partials -> GEMV -> SiLU-mul), eager and
     replayed in a CUDA graph, gives the same bits with programmatic dependent launch on and off."""
     from lightinfer.kernels import pdl
@@ -319,19 +325,19 @@ def test_pdl_chain_matches_plain_launches(monkeypatch: pytest.MonkeyPatch) -> No
 
     results = {}
     for flag in ("0", "1"):
-        monkeypatch.setenv(pdl.ENV_VAR, flag)
-        eager = chain()
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            chain()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            replayed = chain()
-        graph.replay()
-        torch.cuda.synchronize()
-        results[flag] = (eager, replayed.clone())
-    if torch.cuda.get_device_capability()[0] >= 9:
-        assert pdl.pdl_enabled(torch.device(DEV))
+        with switches.override(pdl=flag == "1"):  # the launches (and the graph's capture) read it
+            eager = chain()
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                chain()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                replayed = chain()
+            graph.replay()
+            torch.cuda.synchronize()
+            results[flag] = (eager, replayed.clone())
+            if flag == "1" and torch.cuda.get_device_capability()[0] >= 9:
+                assert pdl.pdl_enabled(torch.device(DEV))
     assert torch.equal(results["0"][0], results["1"][0]) and torch.equal(results["0"][1], results["1"][1])
     assert torch.equal(results["1"][0], results["1"][1])

@@ -7,5 +7,24 @@ the Makefile sets it for the whole run, this covers ``pytest tests/kernels`` run
 
 import os
 
+import pytest
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence Triton 3.9's default-change warning
+
+
+@pytest.fixture
+def kernel_env(monkeypatch: pytest.MonkeyPatch):
+    """``set(name, value)``: set (None: unset) a ``LIGHTINFER_*`` kernel switch's environment variable and
+    re-read the switches (``kernels/switches.py`` reads them once); all restored afterwards."""
+    from lightinfer.kernels import switches
+
+    def set_var(name: str, value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        switches.reload()
+
+    yield set_var
+    monkeypatch.undo()
+    switches.reload()

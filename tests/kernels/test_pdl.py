@@ -1,22 +1,19 @@
-"""Programmatic dependent launch: when it is on, and that every kernel waits before it touches memory."""
+"""Programmatic dependent launch: when it is on (the SASS check that every kernel waits before it touches
+memory is ``tests/kernels/audit/test_pdl_check.py``)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from lightinfer.kernels import pdl
+from lightinfer.kernels import pdl, switches
 
 
 @pytest.fixture
-def gpu(monkeypatch: pytest.MonkeyPatch):
+def gpu(monkeypatch: pytest.MonkeyPatch, kernel_env):
     """A pretend CUDA device of a chosen compute capability, outside the interpreter."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.delenv(pdl.ENV_VAR, raising=False)
+    kernel_env(switches.PDL_ENV, None)
+    kernel_env(switches.PDL_PREFETCH_ENV, None)
 
     def set_capability(cap: tuple[int, int], driver: int | None = 13000) -> torch.device:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
@@ -40,13 +37,13 @@ def test_pdl_needs_a_driver_that_captures_it_in_graphs(gpu, driver: int | None, 
     assert pdl.pdl_enabled(gpu((9, 0), driver)) is on
 
 
-def test_prefetch_follows_pdl_and_its_own_switch(gpu, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prefetch_follows_pdl_and_its_own_switch(gpu, kernel_env) -> None:
     device = gpu((9, 0))
     assert pdl.prefetch_enabled(device)
-    monkeypatch.setenv(pdl.PREFETCH_ENV_VAR, "0")
+    kernel_env(switches.PDL_PREFETCH_ENV, "0")
     assert not pdl.prefetch_enabled(device) and pdl.pdl_enabled(device)
-    monkeypatch.setenv(pdl.PREFETCH_ENV_VAR, "1")
-    monkeypatch.setenv(pdl.ENV_VAR, "0")
+    kernel_env(switches.PDL_PREFETCH_ENV, "1")
+    kernel_env(switches.PDL_ENV, "0")
     assert not pdl.prefetch_enabled(device)
 
 
@@ -55,29 +52,11 @@ def test_driver_version_is_none_or_plausible() -> None:
     assert version is None or 9000 <= version < 100000
 
 
-def test_pdl_off_on_cpu_interpreter_and_by_request(gpu, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pdl_off_on_cpu_interpreter_and_by_request(gpu, monkeypatch: pytest.MonkeyPatch, kernel_env) -> None:
     device = gpu((9, 0))
     assert pdl.pdl_launch(torch.device("cpu")) == {"USE_PDL": False}
-    monkeypatch.setenv(pdl.ENV_VAR, "0")
+    kernel_env(switches.PDL_ENV, "0")
     assert not pdl.pdl_enabled(device)
-    monkeypatch.setenv(pdl.ENV_VAR, "1")
+    kernel_env(switches.PDL_ENV, "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not pdl.pdl_enabled(device)
-
-
-def test_every_kernel_waits_before_touching_memory() -> None:
-    """Compiled for sm_90 with PDL on, each kernel's SASS waits (ACQBULK) before its first global load or
-    store and releases the next kernel (PREEXIT): nothing can read a buffer the previous kernel is still
-    writing, or overwrite one it is still reading. The W4 GEMMs' L2 prefetches of weights come before it."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-m", "lightinfer.kernels.pdl", "--arch", "90"], env=env,
-                          capture_output=True, text=True, timeout=900, check=False)
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {r["kernel"] for r in rows} >= {"w4a16_gemv", "w4a16_tiled", "w4a16_swap_ab", "w4a16_split_k_reduce",
-                                           "w4_dequant", "attn_decode", "attn_decode_reduce", "attn_prefill",
-                                           "store_kv", "rms_norm", "rotary_qk", "silu_and_mul", "rope_store"}
-    assert [r for r in rows if not (r["waits"] and r["releases"] and r["wait_before_memory"])] == []
-    # Only the W4 GEMMs prefetch (their weight slices, into L2) before the wait.
-    assert {r["kernel"] for r in rows if r["prefetches_before_wait"]} == {"w4a16_gemv", "w4a16_tiled", "w4a16_swap_ab"}
-    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightinfer.kernels import PagedKV
 from lightinfer.kernels import reference as ref
 from lightinfer.kernels.kv_store import store_kvcache
 
@@ -14,7 +15,7 @@ def _run(fn, key, value, cache_dtype, num_blocks, block_size, slots):
     vc = torch.zeros_like(kc)
     aux = [torch.zeros(num_blocks, block_size, h, dtype=torch.float16) for _ in range(4)] \
         if cache_dtype == torch.int8 else [None] * 4
-    fn(key, value, kc, vc, slots, *aux)
+    fn(key, value, PagedKV(kc, vc, *aux), slots)
     return kc, vc, aux
 
 
@@ -55,7 +56,7 @@ def test_int8_round_trip_error_bound_and_strided_input() -> None:
     key, value = qkv[:, 1], qkv[:, 2]  # strided views, as sliced from a fused qkv projection
     slots = torch.arange(9, dtype=torch.int32) * 2
     kc, _vc, (ks, kz, _vs, _vz) = _run(store_kvcache, key, value, torch.int8, 4, 8, slots)
-    back = ref.gather_kv(kc, torch.arange(4), 18, ks, kz, torch.float32)[slots.long()]
+    back = ref.gather_kv(PagedKV(kc, _vc, ks, kz, _vs, _vz), torch.arange(4), 18, torch.float32)[0][slots.long()]
     # half a quantization step, plus the fp16 rounding of zero (|zero| <= max|x|, 2^-11 relative)
     bound = ks.view(-1, 4)[slots.long()].float().unsqueeze(-1) / 2 + key.float().abs().amax(-1, True) * 2**-10
     assert ((back - key.float()).abs() <= bound + 1e-6).all()
@@ -79,8 +80,10 @@ def test_validation_errors(case: str) -> None:
         slots = slots.float()
     elif case == "cache_dtype":
         kc, vc = kc.to(torch.int16), vc.to(torch.int16)
+    if kc.dtype != torch.int8:
+        aux = [None] * 4  # a float cache has no scales
     with pytest.raises(ValueError):
-        store_kvcache(key, value, kc, vc, slots, *aux)
+        store_kvcache(key, value, PagedKV(kc, vc, *aux), slots)
 
 
 def test_head_major_scales_store_identically() -> None:
@@ -92,6 +95,6 @@ def test_head_major_scales_store_identically() -> None:
     kc, vc, aux = _run(store_kvcache, key, value, torch.int8, 4, 16, slots)
     kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
     hm = [torch.zeros(4, 4, 16, dtype=torch.float16).transpose(1, 2) for _ in range(4)]
-    store_kvcache(key, value, kc2, vc2, slots, *hm)
+    store_kvcache(key, value, PagedKV(kc2, vc2, *hm), slots)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     assert all(torch.equal(a, b) for a, b in zip(aux, hm))

@@ -77,7 +77,7 @@ def test_silu_and_mul(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
 def test_ops_sum_split_k_partials_like_the_reduction(dtype: torch.dtype, with_bias: bool) -> None:
     """fused_add_rms_norm and silu_and_mul take a GEMM's unreduced partials: the same result, bit for
     bit, as reducing first (splits summed in order, bias, rounded to the output dtype)."""
-    from lightinfer.kernels._common import SplitKPartials
+    from lightinfer.kernels import SplitKPartials
 
     g = torch.Generator().manual_seed(3)
     bias = torch.randn(96, generator=g).to(dtype) if with_bias else None

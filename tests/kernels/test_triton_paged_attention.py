@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightinfer.kernels import PagedKV
 from lightinfer.kernels import reference as ref
-from lightinfer.kernels.paged_attention import (
+from lightinfer.kernels.attention_plan import (
     MAX_DECODE_SPLITS,
     MIN_PARTITION_SIZE,
     PARTITION_SIZE,
     decode_split_plan,
+)
+from lightinfer.kernels.paged_attention import (
     paged_attention_decode,
     paged_attention_decode_impl,
     paged_attention_prefill,
@@ -22,7 +25,8 @@ TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.float16: {"atol": 3e-3
 def _cache(ctx_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, cache_dtype: torch.dtype,
            dtype: torch.dtype, seed: int = 0):
     """Random K/V for every sequence, written into shuffled blocks (by the reference store: the kernel is
-    tested on its own and is slow under the interpreter); table padded with -1."""
+    tested on its own and is slow under the interpreter); table padded with -1. Returns the
+    :class:`PagedKV`'s ``(k, v)``, the table, the lengths and its scales/zeros (four None for a float cache)."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [(c + block_size - 1) // block_size for c in ctx_lens]
     num_blocks = sum(blocks_per_seq) + 3  # spare blocks hold garbage that must never be read
@@ -39,7 +43,7 @@ def _cache(ctx_lens: list[int], num_kv_heads: int, head_dim: int, block_size: in
         slots = table[s, torch.arange(n) // block_size].long() * block_size + torch.arange(n) % block_size
         k = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
         v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
-        ref.store_kvcache(k, v, kc, vc, slots, *aux)
+        ref.store_kvcache(k, v, PagedKV(kc, vc, *aux), slots)
     return kc, vc, table, torch.tensor(ctx_lens, dtype=torch.int32), aux
 
 
@@ -58,10 +62,11 @@ def test_decode(cache_dtype: torch.dtype, dtype: torch.dtype, group: int) -> Non
     ctx = [1, 16, 17, 130]  # one token, exactly one block, crossing a block, several partitions
     kc, vc, table, lens, aux = _cache(ctx, num_kv_heads, 32, 16, cache_dtype, dtype, seed=group)
     q = torch.randn(len(ctx), num_kv_heads * group, 32).to(dtype)
-    want = ref.paged_attention_decode(q, kc, vc, table, lens, 32**-0.5, *aux)
-    got = paged_attention_decode(q, kc, vc, table, lens, 32**-0.5, *aux)  # one partition per sequence
+    kv = PagedKV(kc, vc, *aux)
+    want = ref.paged_attention_decode(q, kv, table, lens, 32**-0.5)
+    got = paged_attention_decode(q, kv, table, lens, 32**-0.5)  # one partition per sequence
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
-    split = paged_attention_decode_impl(q, kc, vc, table, lens, 32**-0.5, *aux, partition_size=64)  # + reduction
+    split = paged_attention_decode_impl(q, kv, table, lens, 32**-0.5, partition_size=64)  # + reduction
     torch.testing.assert_close(split.float(), want.float(), **TOL[dtype])
 
 
@@ -69,8 +74,9 @@ def test_decode(cache_dtype: torch.dtype, dtype: torch.dtype, group: int) -> Non
 def test_decode_odd_head_dim_and_block_size(head_dim: int, block_size: int) -> None:
     kc, vc, table, lens, aux = _cache([5, 23], 2, head_dim, block_size, torch.float16, torch.float16)
     q = torch.randn(2, 4, head_dim).half()
-    want = ref.paged_attention_decode(q, kc, vc, table, lens, 0.1, *aux)
-    torch.testing.assert_close(paged_attention_decode(q, kc, vc, table, lens, 0.1, *aux).float(), want.float(),
+    kv = PagedKV(kc, vc, *aux)
+    want = ref.paged_attention_decode(q, kv, table, lens, 0.1)
+    torch.testing.assert_close(paged_attention_decode(q, kv, table, lens, 0.1).float(), want.float(),
                                **TOL[torch.float16])
 
 
@@ -80,14 +86,14 @@ def _int8_decode_and_prefill_match(ctx: list[int], q_lens: list[int], head_dim: 
     kc, vc, table, lens, aux = _cache(ctx, num_kv_heads, head_dim, block_size, torch.int8, torch.float16,
                                       seed=block_size)
     q = torch.randn(len(ctx), num_heads, head_dim).half()
-    want = ref.paged_attention_decode(q, kc, vc, table, lens, scale, *aux)
+    want = ref.paged_attention_decode(q, PagedKV(kc, vc, *aux), table, lens, scale)
     for kwargs in ({}, {"partition_size": partition_size}):
-        got = paged_attention_decode_impl(q, kc, vc, table, lens, scale, *aux, **kwargs)
+        got = paged_attention_decode_impl(q, PagedKV(kc, vc, *aux), table, lens, scale, **kwargs)
         torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     qp = torch.randn(sum(q_lens), num_heads, head_dim).half()
-    want = ref.paged_attention_prefill(qp, kc, vc, cu, lens, table, scale, *aux)
-    got = paged_attention_prefill(qp, kc, vc, cu, lens, table, scale, *aux)
+    want = ref.paged_attention_prefill(qp, PagedKV(kc, vc, *aux), cu, lens, table, scale)
+    got = paged_attention_prefill(qp, PagedKV(kc, vc, *aux), cu, lens, table, scale)
     torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
 
 
@@ -107,8 +113,9 @@ def test_int8_head_dim_256(block_size: int) -> None:
 def test_decode_bf16() -> None:
     kc, vc, table, lens, aux = _cache([3, 40], 2, 32, 16, torch.bfloat16, torch.bfloat16)
     q = torch.randn(2, 8, 32).bfloat16()
-    want = ref.paged_attention_decode(q, kc, vc, table, lens, 32**-0.5, *aux)
-    torch.testing.assert_close(paged_attention_decode(q, kc, vc, table, lens, 32**-0.5, *aux).float(), want.float(),
+    kv = PagedKV(kc, vc, *aux)
+    want = ref.paged_attention_decode(q, kv, table, lens, 32**-0.5)
+    torch.testing.assert_close(paged_attention_decode(q, kv, table, lens, 32**-0.5).float(), want.float(),
                                **TOL[torch.bfloat16])
 
 
@@ -122,8 +129,8 @@ def test_prefill(cache_dtype: torch.dtype, dtype: torch.dtype, group: int) -> No
     kc, vc, table, lens, aux = _cache(ctx, num_kv_heads, 32, 16, cache_dtype, dtype, seed=group)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     q = torch.randn(sum(q_lens), num_kv_heads * group, 32).to(dtype)
-    want = ref.paged_attention_prefill(q, kc, vc, cu, lens, table, 32**-0.5, *aux)
-    got = paged_attention_prefill(q, kc, vc, cu, lens, table, 32**-0.5, *aux)
+    want = ref.paged_attention_prefill(q, PagedKV(kc, vc, *aux), cu, lens, table, 32**-0.5)
+    got = paged_attention_prefill(q, PagedKV(kc, vc, *aux), cu, lens, table, 32**-0.5)
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
 
@@ -131,8 +138,8 @@ def test_prefill_single_token_sequences_equal_decode() -> None:
     kc, vc, table, lens, aux = _cache([1, 9, 33], 2, 32, 16, torch.int8, torch.float16)
     q = torch.randn(3, 4, 32).half()
     cu = torch.arange(4, dtype=torch.int32)
-    pre = paged_attention_prefill(q, kc, vc, cu, lens, table, 0.2, *aux)
-    dec = paged_attention_decode(q, kc, vc, table, lens, 0.2, *aux)
+    pre = paged_attention_prefill(q, PagedKV(kc, vc, *aux), cu, lens, table, 0.2)
+    dec = paged_attention_decode(q, PagedKV(kc, vc, *aux), table, lens, 0.2)
     torch.testing.assert_close(pre.float(), dec.float(), **TOL[torch.float16])
 
 
@@ -153,7 +160,7 @@ def test_validation_errors(case: str) -> None:
     elif case == "cache_dtype":
         kc, vc = kc.to(torch.int16), vc.to(torch.int16)
     with pytest.raises(ValueError):
-        paged_attention_decode(q, kc, vc, table, lens, 0.25, *aux)
+        paged_attention_decode(q, PagedKV(kc, vc, *aux), table, lens, 0.25)
 
 
 def _head_major(t: torch.Tensor) -> torch.Tensor:
@@ -169,15 +176,15 @@ def test_head_major_scales_give_identical_results() -> None:
     assert hm[0].stride() == (32, 1, 16) and not hm[0].is_contiguous()
     q = torch.randn(3, 8, 32).half()
     for kwargs in ({}, {"partition_size": 64}):
-        a = paged_attention_decode_impl(q, kc, vc, table, lens, 0.2, *aux, **kwargs)
-        b = paged_attention_decode_impl(q, kc, vc, table, lens, 0.2, *hm, **kwargs)
+        a = paged_attention_decode_impl(q, PagedKV(kc, vc, *aux), table, lens, 0.2, **kwargs)
+        b = paged_attention_decode_impl(q, PagedKV(kc, vc, *hm), table, lens, 0.2, **kwargs)
         assert torch.equal(a, b)
     cu = torch.tensor([0, 1, 9, 30], dtype=torch.int32)
     qp = torch.randn(30, 8, 32).half()
-    assert torch.equal(paged_attention_prefill(qp, kc, vc, cu, lens, table, 0.2, *aux),
-                       paged_attention_prefill(qp, kc, vc, cu, lens, table, 0.2, *hm))
+    assert torch.equal(paged_attention_prefill(qp, PagedKV(kc, vc, *aux), cu, lens, table, 0.2),
+                       paged_attention_prefill(qp, PagedKV(kc, vc, *hm), cu, lens, table, 0.2))
     with pytest.raises(ValueError, match="same strides"):
-        paged_attention_decode(q, kc, vc, table, lens, 0.2, hm[0], *aux[1:])
+        paged_attention_decode(q, PagedKV(kc, vc, hm[0], *aux[1:]), table, lens, 0.2)
 
 
 def test_small_batches_split_the_real_context_whatever_the_table_width() -> None:
@@ -206,5 +213,6 @@ def test_adaptive_partitions_match_the_reference(ctx_lens: list[int]) -> None:
     q = torch.randn(len(ctx_lens), h, d, generator=gen)
     lens = torch.tensor(ctx_lens, dtype=torch.int32)
     assert decode_split_plan(len(ctx_lens), hkv, 1024, torch.device("cpu"))[1] == 0
-    got = paged_attention_decode(q, k, v, table, lens, d**-0.5)
-    torch.testing.assert_close(got, ref.paged_attention_decode(q, k, v, table, lens, d**-0.5), atol=1e-5, rtol=1e-5)
+    got = paged_attention_decode(q, PagedKV(k, v), table, lens, d**-0.5)
+    torch.testing.assert_close(got, ref.paged_attention_decode(q, PagedKV(k, v), table, lens, d**-0.5), atol=1e-5,
+                               rtol=1e-5)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightinfer.kernels import PagedKV, SplitKPartials
 from lightinfer.kernels import reference as ref
-from lightinfer.kernels._common import SplitKPartials
 from lightinfer.kernels.rope_store import rope_store_kvcache
 
 
@@ -37,8 +37,8 @@ def test_matches_the_unfused_sequence_bit_for_bit(int8: bool, split: bool, hq: i
     slots = torch.tensor([5, -1, 0, 17, 30])  # -1: padding, not cached (its q is still computed)
     cos, sin = _tables(d)
     want_cache, got_cache = _caches(int8, 4, 8, hk, d), _caches(int8, 4, 8, hk, d)
-    want = ref.rope_store_kvcache(positions, qkv, hq, hk, cos, sin, want_cache[0], want_cache[1], slots, *want_cache[2:])
-    got = rope_store_kvcache(positions, qkv, hq, hk, cos, sin, got_cache[0], got_cache[1], slots, *got_cache[2:])
+    want = ref.rope_store_kvcache(positions, qkv, hq, hk, cos, sin, PagedKV(*want_cache), slots)
+    got = rope_store_kvcache(positions, qkv, hq, hk, cos, sin, PagedKV(*got_cache), slots)
     assert got.shape == (t, hq, d) and got.dtype == torch.float16
     assert torch.equal(got, want)
     for a, b in zip(got_cache, want_cache):
@@ -52,5 +52,5 @@ def test_rejects_a_qkv_of_the_wrong_width() -> None:
     cos, sin = _tables(64)
     kc, vc, *_ = _caches(False, 2, 8, 1, 64)
     with pytest.raises(ValueError, match=r"qkv must be float \[T, 384\]"):
-        rope_store_kvcache(torch.zeros(2, dtype=torch.long), torch.zeros(2, 320).half(), 4, 1, cos, sin, kc, vc,
-                           torch.zeros(2, dtype=torch.long))
+        rope_store_kvcache(torch.zeros(2, dtype=torch.long), torch.zeros(2, 320).half(), 4, 1, cos, sin,
+                           PagedKV(kc, vc), torch.zeros(2, dtype=torch.long))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lightinfer.kernels import reference as ref
+from lightinfer.kernels import switches
 from lightinfer.kernels import w4a16_gemm as wg
 
 
@@ -198,7 +199,7 @@ def test_dequant_path_in_slabs(monkeypatch) -> None:
                                **_tol(torch.float16))
 
 
-def test_f16_decode_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_f16_decode_switch(kernel_env) -> None:
     """fp16 takes the pair decode (plain Triton on the interpreter); LIGHTINFER_F16_DECODE=0, other dtypes and fp32
     scales the fp32 one, with the same result (both are exact before the scale)."""
     assert wg.f16_decode(torch.float16) == {"F16_DECODE": True, "USE_PTX": False}
@@ -208,7 +209,7 @@ def test_f16_decode_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     qweight, scales, zeros = _weights(72, 256, 64, torch.float16)
     x = torch.randn(5, 256).half()
     pair = wg.w4a16_gemm_path(x, qweight, scales, zeros, path="tiled")
-    monkeypatch.setenv(wg.F16_DECODE_ENV_VAR, "0")
+    kernel_env(switches.F16_DECODE_ENV, "0")
     assert not wg.f16_decode(torch.float16)["F16_DECODE"]
     assert torch.equal(wg.w4a16_gemm_path(x, qweight, scales, zeros, path="tiled"), pair)
 

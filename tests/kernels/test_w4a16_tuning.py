@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from lightinfer.kernels import reference as ref
+from lightinfer.kernels import switches
 from lightinfer.kernels import w4a16_gemm as wg
 from lightinfer.kernels import w4a16_tuning as wt
 from lightinfer.kernels.w4a16_tuning import W4Launch
@@ -26,7 +27,7 @@ def _weights(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 @pytest.fixture
-def tuned_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def tuned_file(tmp_path: Path, kernel_env) -> Path:
     """A tuned file for (N, K, G): M <= 1 gemv 32 rows, split 4; M 2..16 swap_ab 16 tokens x 64 rows x 32, split 2;
     M 17..32 tiled 32x32x64; above: dequant."""
     path = tmp_path / "w4a16_test.json"
@@ -37,7 +38,7 @@ def tuned_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         "64": wt.launch_record(W4Launch("dequant"), us=3.0),
     }}
     path.write_text(json.dumps({"device": "test", "entries": entries}))
-    monkeypatch.setenv(wt.ENV_VAR, str(path))
+    kernel_env(switches.W4A16_CONFIGS_ENV, str(path))
     wt.clear_cache()
     yield path
     wt.clear_cache()
@@ -70,19 +71,19 @@ def test_tuned_launches_run_and_match_the_reference(tuned_file: Path, m: int) ->
         assert parts.partials.shape[0] == chosen.split_k
 
 
-def test_none_and_untuned_devices_use_the_built_in_launch(tuned_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(wt.ENV_VAR, "none")
+def test_none_and_untuned_devices_use_the_built_in_launch(tuned_file: Path, kernel_env) -> None:
+    kernel_env(switches.W4A16_CONFIGS_ENV, "none")
     assert wt.tuned_launch(torch.device("cpu"), 1, N, K, G) is None
-    monkeypatch.delenv(wt.ENV_VAR)
+    kernel_env(switches.W4A16_CONFIGS_ENV, None)
     assert wt.tuned_launch(torch.device("cpu"), 1, N, K, G) is None  # no file for the CPU
     assert wg.choose_launch(1, N, K, G, torch.device("cpu")) == wg.default_launch(1, N, K, G, torch.device("cpu"))
 
 
-def test_a_tuned_gemv_never_runs_past_its_row_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_tuned_gemv_never_runs_past_its_row_limit(tmp_path: Path, kernel_env) -> None:
     path = tmp_path / "gemv_only.json"
     # a (hand-written) gemv entry for M up to 64: the GEMV unrolls over rows and stops at GEMV_FORCED_MAX_M
     path.write_text(json.dumps({"entries": {wt.shape_key(N, K, G): {"64": wt.launch_record(W4Launch("gemv", 4, 32, G))}}}))
-    monkeypatch.setenv(wt.ENV_VAR, str(path))
+    kernel_env(switches.W4A16_CONFIGS_ENV, str(path))
     wt.clear_cache()
     try:
         assert wg.choose_launch(4, N, K, G, torch.device("cpu")).path == "gemv"
@@ -119,17 +120,17 @@ def test_malformed_files_are_clear_errors(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 @pytest.mark.parametrize("text", ["not json", json.dumps({"device": "x"}), json.dumps({"entries": {"N=1": {}}})])
-def test_unreadable_files_name_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str) -> None:
+def test_unreadable_files_name_the_fix(tmp_path: Path, kernel_env, text: str) -> None:
     path = tmp_path / "bad.json"
     path.write_text(text)
-    monkeypatch.setenv(wt.ENV_VAR, str(path))
+    kernel_env(switches.W4A16_CONFIGS_ENV, str(path))
     wt.clear_cache()
     try:
         with pytest.raises(ValueError, match="bad.json"):
             wt.tuned_launch(torch.device("cpu"), 1, N, K, G)
     finally:
         wt.clear_cache()
-    monkeypatch.setenv(wt.ENV_VAR, str(tmp_path / "missing.json"))
+    kernel_env(switches.W4A16_CONFIGS_ENV, str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="tune_w4a16"):
         wt.tuned_launch(torch.device("cpu"), 1, N, K, G)
     wt.clear_cache()

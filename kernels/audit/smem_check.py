@@ -9,10 +9,10 @@ needed, ``ptxas`` ships inside the triton wheel, and ``metadata.shared`` holds t
 configuration that fits can still run out of registers (255 per thread): ptxas then spills to
 local memory (``STL``/``LDL`` through L1), which this reports too.
 
-The specs come from each launcher module's ``launch_specs()``, which enumerates exactly the
-configurations that launcher can pick. Usage::
+The specs come from ``specs.all_launch_specs()``, which enumerates exactly the configurations the
+launchers can pick, from their own configuration tables. Usage::
 
-    python -m lightinfer.kernels.smem_check [--arch 86] [--json]
+    python -m lightinfer.kernels.audit.smem_check [--arch 86] [--json]
 
 Must run with ``TRITON_INTERPRET`` unset: under the interpreter ``@triton.jit`` yields
 interpreter objects that cannot be compiled (the test runs this module in a subprocess).
@@ -29,33 +29,24 @@ import re
 import sys
 from typing import Any
 
+from .compile import compile_spec, json_constexprs, registers
+from .specs import all_launch_specs
+
 # Opt-in maximum dynamic shared memory per block, bytes (CUDA programming guide, table 21).
 SMEM_LIMIT_BYTES = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
-
-
-def all_launch_specs() -> list[Any]:
-    """Every :class:`LaunchSpec` of every launcher in this package."""
-    from . import kv_store, norm_rope, paged_attention, rope_store, w4a16_gemm
-
-    specs: list[Any] = []
-    for mod in (w4a16_gemm, paged_attention, kv_store, norm_rope, rope_store):
-        specs.extend(mod.launch_specs())
-    return specs
 
 
 def compile_stats(spec: Any, arch: int) -> dict[str, int]:
     """Compile ``spec`` for ``cuda:sm_<arch>``: shared memory (``metadata.shared``, bytes), registers
     per thread and register-spill stores (``STL`` instructions in the SASS; any is a config to shrink).
 
-    Compiled as Triton specialises at run time for the Llama shapes (:func:`.sass_stats.compile_spec`):
+    Compiled as Triton specialises at run time for the Llama shapes (:func:`.compile.compile_spec`):
     unspecialised variants (odd strides) use more registers.
 
     Raises:
         RuntimeError: when run under ``TRITON_INTERPRET=1``.
     """
     from triton.tools.disasm import get_sass
-
-    from .sass_stats import compile_spec, registers
 
     compiled = compile_spec(spec, arch)
     sass = get_sass(compiled.asm["cubin"])
@@ -72,8 +63,6 @@ def _compile_indices(arch: int, indices: list[int]) -> list[dict[str, int]]:
 def check(arch: int = 86, jobs: int | None = None) -> list[dict[str, Any]]:
     """Compile all specs for ``arch`` (``jobs`` processes; default one per CPU) -> rows with ``shared``, ``fits``,
     ``registers`` and ``spill_stores``."""
-    from .sass_stats import json_constexprs
-
     limit = SMEM_LIMIT_BYTES[arch]
     specs = all_launch_specs()
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(specs)))

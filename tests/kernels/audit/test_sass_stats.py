@@ -1,6 +1,6 @@
 """The decode kernels' hot loops stay lean: static SASS instruction counts for an sm_90 target.
 
-Compiles without a GPU (``kernels/sass_stats.py``, in a subprocess with TRITON_INTERPRET unset).
+Compiles without a GPU (``kernels/audit/sass_stats.py``, in a subprocess with TRITON_INTERPRET unset).
 The thresholds guard the tricks the counts depend on, which a harmless-looking edit can undo:
 nibbles decoded by mask + exponent OR (no shift, bit-field extract or int->float conversion per
 weight), the nibble masks kept in registers, and the KV block size a compile-time constant (a
@@ -23,8 +23,7 @@ pytest.importorskip("triton")
 def rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("sass") / "sass.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-m", "lightinfer.kernels.sass_stats", "--arch", "90", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "lightinfer.kernels.audit.sass_stats", "--arch", "90", "--json", str(out)],
                           env=env, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())["rows"]

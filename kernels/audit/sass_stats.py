@@ -16,7 +16,7 @@ integer arguments equal to 1).
 
 Usage::
 
-    python -m lightinfer.kernels.sass_stats [--arch 90] [--json PATH]
+    python -m lightinfer.kernels.audit.sass_stats [--arch 90] [--json PATH]
 
 Must run with ``TRITON_INTERPRET`` unset (it compiles the kernels).
 """
@@ -26,66 +26,11 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import re
-import subprocess
 import sys
-import tempfile
 from typing import Any
 
-# Integer arguments that are multiples of 16 at the Llama shapes (Triton marks those divisible).
-_DIVISIBLE_INTS = re.compile(r"^(stride_\w+|N|K|head_dim|partition_size|block_size)$")
-
-
-def compile_spec(spec: Any, arch: int, one: tuple[str, ...] = ()) -> Any:
-    """Compile ``spec`` for ``sm_<arch>`` with run-time-like specialisation; ``one`` names ints equal to 1.
-
-    Raises:
-        RuntimeError: when run under ``TRITON_INTERPRET=1``.
-    """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
-    if not isinstance(spec.kernel, JITFunction):
-        raise RuntimeError("compiling kernels needs TRITON_INTERPRET unset (kernels are interpreter objects)")  # noqa: TRY004
-    signature, constexprs = dict(spec.signature), dict(spec.constexprs)
-    for p in spec.kernel.params:  # constexprs a spec leaves out (e.g. USE_PDL) take their defaults
-        if p.name not in signature and p.is_constexpr and p.has_default:
-            signature[p.name], constexprs[p.name] = "constexpr", p.default
-    for name in one:
-        signature[name], constexprs[name] = "constexpr", 1
-    attrs = {}
-    for i, name in enumerate(spec.kernel.arg_names):
-        kind = signature.get(name, "constexpr")
-        if kind.startswith("*") or (kind == "i32" and _DIVISIBLE_INTS.match(name)):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=spec.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
-
-
-def json_constexprs(spec: Any) -> dict[str, Any]:
-    """``spec``'s constexprs for a JSON row (values that are not plain numbers or strings as text)."""
-    return {k: (v if isinstance(v, (int, float, bool, str)) else str(v)) for k, v in spec.constexprs.items()}
-
-
-def _tool(name: str) -> str:
-    import triton
-
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-
-
-def registers(cubin: bytes) -> int:
-    """Registers per thread of the kernel in ``cubin`` (``cuobjdump -res-usage``)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
-                             check=True).stdout
-    match = re.search(r"REG:(\d+)", out)
-    return int(match.group(1)) if match else -1
+from .compile import compile_spec, json_constexprs, registers
 
 
 def hot_loop(sass: str) -> list[str]:
@@ -135,10 +80,10 @@ def loop_stats(spec: Any, arch: int, per_thread: float, unit: str, one: tuple[st
 
 def collect(arch: int = 90) -> list[dict[str, Any]]:
     """Hot-loop statistics of the W4A16 GEMV (M=1, 2), tiled and swap-AB kernels and of paged-attention decode."""
-    from . import paged_attention, w4a16_gemm
+    from .specs import attention_specs, w4a16_specs
 
     rows = []
-    for spec in w4a16_gemm.launch_specs():
+    for spec in w4a16_specs():
         ce = spec.constexprs
         threads = 32 * spec.num_warps
         if spec.name.startswith("w4a16_gemv") and ce["SPLIT"]:
@@ -146,7 +91,7 @@ def collect(arch: int = 90) -> list[dict[str, Any]]:
             rows.append(loop_stats(spec, arch, ce["BLOCK_N"] * ce["GROUP_SIZE"] / threads, "weight", one))
         elif spec.name.startswith(("w4a16_tiled", "w4a16_swap_ab")) and ce["GROUP_SIZE"] == 128 and not ce["SPLIT"]:
             rows.append(loop_stats(spec, arch, ce["BLOCK_N"] * ce["BLOCK_K"] / threads, "weight"))
-    for spec in paged_attention.launch_specs():
+    for spec in attention_specs():
         ce = spec.constexprs
         if (spec.name.startswith("attn_decode[") and ce["BLOCK_D"] == 128 and ce["GROUP"] == 4 and not ce["SPLIT"]
                 and ce["BLOCK_SIZE"] == 16):

@@ -1,0 +1,112 @@
+"""The kernel switches: every ``LIGHTINFER_*`` environment variable the kernels and backends obey, read once.
+
+=============================  ==================================================================
+``LIGHTINFER_BACKEND``         force one op backend for every tensor: ``triton``, ``torch_cpu`` or
+                               ``reference`` (unset: Triton on CUDA, ``torch_cpu`` elsewhere;
+                               ``lightinfer.layers.ops`` decides)
+``LIGHTINFER_F16_DECODE=0``    tensor-core and dequant W4 kernels decode fp16 weights in fp32
+                               (to compare the two decodes on a GPU)
+``LIGHTINFER_PDL=0``           no programmatic dependent launch (``pdl.py``)
+``LIGHTINFER_PDL_PREFETCH=0``  PDL without the W4 GEMMs' L2 prefetch of their first weights
+``LIGHTINFER_W4A16_CONFIGS``   a tuned-config file used whatever the GPU, or ``none`` for the
+                               built-in launches everywhere (``w4a16_tuning.py``)
+=============================  ==================================================================
+
+The environment is read at the first :func:`current` call and never again: a launch costs a dict
+lookup, not an ``os.environ`` read per switch. :func:`reload` re-reads it (a test or benchmark that
+changes a variable in-process); :func:`override` sets switches for a ``with`` block without touching
+the environment (benchmarks comparing settings in one run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+BACKEND_ENV = "LIGHTINFER_BACKEND"
+F16_DECODE_ENV = "LIGHTINFER_F16_DECODE"
+PDL_ENV = "LIGHTINFER_PDL"
+PDL_PREFETCH_ENV = "LIGHTINFER_PDL_PREFETCH"
+W4A16_CONFIGS_ENV = "LIGHTINFER_W4A16_CONFIGS"
+BACKEND_NAMES = ("triton", "torch_cpu", "reference")
+
+
+@dataclass(frozen=True)
+class KernelSwitches:
+    """One reading of the switches (module docstring).
+
+    Attributes:
+        backend: the forced op backend (one of :data:`BACKEND_NAMES`), or None to choose by device.
+        f16_decode: fp16 activations take the fp16-pair weight decode (``w4a16_gemm.f16_decode``).
+        pdl: programmatic dependent launch where the GPU and driver support it (``pdl.pdl_enabled``).
+        pdl_prefetch: with PDL on, the W4 GEMMs prefetch their first weights into L2 before the wait.
+        w4a16_configs: a tuned-config file path, ``"none"``, or None (the GPU model's own file).
+    """
+
+    backend: str | None = None
+    f16_decode: bool = True
+    pdl: bool = True
+    pdl_prefetch: bool = True
+    w4a16_configs: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> KernelSwitches:
+        """Read the switches from ``environ``; a variable other than ``"0"`` leaves a flag on.
+
+        Raises:
+            ValueError: ``LIGHTINFER_BACKEND`` names no backend.
+        """
+        backend = environ.get(BACKEND_ENV) or None
+        if backend is not None and backend not in BACKEND_NAMES:
+            raise ValueError(f"{BACKEND_ENV}={backend!r} is not a backend; use one of {', '.join(BACKEND_NAMES)} "
+                             f"or unset it (Triton on CUDA, torch_cpu elsewhere)")
+        return cls(backend=backend,
+                   f16_decode=environ.get(F16_DECODE_ENV, "1") != "0",
+                   pdl=environ.get(PDL_ENV, "1") != "0",
+                   pdl_prefetch=environ.get(PDL_PREFETCH_ENV, "1") != "0",
+                   w4a16_configs=environ.get(W4A16_CONFIGS_ENV) or None)
+
+
+_current: KernelSwitches | None = None
+
+
+def current() -> KernelSwitches:
+    """The switches in force: the environment as first read (see :func:`reload`, :func:`override`).
+
+    Raises:
+        ValueError: from :meth:`KernelSwitches.from_env` on a bad ``LIGHTINFER_BACKEND``.
+    """
+    global _current
+    if _current is None:
+        _current = KernelSwitches.from_env()
+    return _current
+
+
+def reload() -> KernelSwitches:
+    """Read the environment again (after a test or benchmark changed it) and return the new switches."""
+    global _current
+    _current = None
+    return current()
+
+
+@contextlib.contextmanager
+def override(**changes: object) -> Iterator[KernelSwitches]:
+    """Inside the block the switches are :func:`current`'s with ``changes`` (field names of
+    :class:`KernelSwitches`); afterwards the previous ones. Not thread-safe (one module-level value).
+
+    Raises:
+        TypeError: a name that is not a switch.
+        ValueError: a backend that is not one of :data:`BACKEND_NAMES`.
+    """
+    global _current
+    previous = current()
+    if changes.get("backend") not in (None, *BACKEND_NAMES):
+        raise ValueError(f"backend {changes['backend']!r} is not one of {', '.join(BACKEND_NAMES)}")
+    _current = dataclasses.replace(previous, **changes)
+    try:
+        yield _current
+    finally:
+        _current = previous

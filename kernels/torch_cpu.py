@@ -1,0 +1,251 @@
+"""The ``torch_cpu`` backend: the CPU engine's ops in PyTorch, written for speed on a CPU.
+
+The same functions and signatures as the Triton launchers and the naive twins in ``reference.py``
+(``backends.OP_NAMES``), and the same results up to summation order (``tests/kernels/test_torch_cpu.py``
+holds them to the reference). What makes it fast:
+
+* attention goes through torch's fused ``scaled_dot_product_attention`` (``sdpa.py``) and gathers whole
+  KV blocks (a 2-D ``index_select`` of block rows) rather than single tokens;
+* decode sorts the batch by context length and cuts it into groups, each one gather + one SDPA call,
+  planned once per step and reused by every layer (:func:`_decode_plan`);
+* RMSNorm is torch's fused kernel.
+
+The 4-bit GEMM, RoPE, SiLU and the KV store are the reference's own (already vectorised). Works on any
+device, but the engine uses it on CPU only (``lightinfer.layers.ops``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .paged_kv import PagedKV
+from .reference import apply_rotary, dequantize_kv_int8, quantize_kv_int8, rotary_qk, silu_and_mul, w4a16_gemm
+from .sdpa import attend, varlen_causal_attention
+from .split_k import SplitKPartials
+
+__all__ = ["apply_rotary", "fused_add_rms_norm", "gather_blocks", "gather_kv", "paged_attention_decode",
+           "paged_attention_prefill", "rms_norm", "rope_store_kvcache", "rotary_qk", "silu_and_mul",
+           "store_kvcache", "varlen_causal_attention", "w4a16_gemm"]
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, kv: PagedKV, slot_mapping: torch.Tensor) -> None:
+    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[num_tokens]``
+    (-1: padding, skipped) into ``kv``, quantizing for an INT8 cache (``reference.store_kvcache``'s result)."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    if slot_mapping.numel() == 0:
+        return
+    kc = kv.k.view(kv.num_blocks * kv.block_size, *kv.k.shape[2:])
+    vc = kv.v.view(kv.num_blocks * kv.block_size, *kv.v.shape[2:])
+    slots = slot_mapping.long()
+    if kv.is_int8:
+        qk, sk, zk = quantize_kv_int8(key)
+        qv, sv, zv = quantize_kv_int8(value)
+        kc[slots] = qk
+        vc[slots] = qv
+        for t, x in zip(kv.scales, (sk, zk, sv, zv)):
+            if t.is_contiguous():  # the CPU layout: one flat row per slot
+                t.view(-1, t.shape[-1])[slots] = x
+            else:  # e.g. the head-major scales KVCacheSpec allocates on a GPU
+                t[slots // kv.block_size, slots % kv.block_size] = x
+    else:
+        kc[slots] = key.to(kv.dtype)
+        vc[slots] = value.to(kv.dtype)
+
+
+def _gather_rows(t: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """``t [num_blocks_total, block_size, ...]`` -> ``[num_seqs, len(blocks) // num_seqs * block_size, ...]``."""
+    # index_select on a 2-D [blocks, bytes per block] view copies whole rows at memcpy speed; on
+    # the 4-D cache it is ~4x slower (measured on CPU).
+    picked = t.reshape(t.shape[0], -1).index_select(0, blocks)
+    return picked.view(num_seqs, -1, *t.shape[2:])
+
+
+def gather_blocks(kv: PagedKV, blocks: torch.Tensor, num_seqs: int,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read whole cache blocks: int64 ``blocks [num_seqs * n]`` (each sequence's first ``n`` block ids, in
+    order) -> K and V ``[num_seqs, n * block_size, num_kv_heads, head_dim]`` in ``dtype`` (INT8 dequantized)."""
+    out = []
+    for cache, scale, zero in ((kv.k, kv.k_scale, kv.k_zero), (kv.v, kv.v_scale, kv.v_zero)):
+        x = _gather_rows(cache, blocks, num_seqs)
+        if kv.is_int8:
+            x = dequantize_kv_int8(x, _gather_rows(scale, blocks, num_seqs), _gather_rows(zero, blocks, num_seqs),
+                                   dtype)
+        out.append(x.to(dtype))
+    return out[0], out[1]
+
+
+def gather_kv(kv: PagedKV, block_table: torch.Tensor, length: int,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``length`` tokens of one sequence: K and V ``[length, num_kv_heads, head_dim]`` in ``dtype``."""
+    num_blocks = (length + kv.block_size - 1) // kv.block_size
+    k, v = gather_blocks(kv, block_table[:num_blocks].long(), 1, dtype)
+    return k[0, :length], v[0, :length]
+
+
+# ----------------------------------------------------------------------------- attention
+
+# Decode sequences are taken in order of context length and cut into groups, each padded to
+# its own longest context and run as one gather + one SDPA call. Measured on 2 CPU cores
+# (SmolLM2 shapes): a group costs ~55 us of fixed overhead plus ~0.14 us per padded token while
+# its gathered K stays near 12 MiB, twice that per token beyond (cache misses, page faults). So
+# a sequence starts a new group when joining would add more than DECODE_PAD_TOKENS of padding
+# (about half a group's overhead: padding also costs cache space) or push the group's fp32 K
+# past DECODE_GROUP_BYTES.
+DECODE_PAD_TOKENS = 256
+DECODE_GROUP_BYTES = 12 * 2**20
+
+
+@dataclass
+class _DecodeGroup:
+    seqs: torch.Tensor | slice  # rows of the batch in this group (a slice when already sorted)
+    blocks: torch.Tensor  # int64 [n * num_blocks] block ids to gather (padding reads block 0)
+    num_blocks: int
+    mask: torch.Tensor  # bool [n, 1, 1, num_blocks * block_size], True = attend
+
+
+# Every layer of a step calls the decode with the same block_tables / context_lens tensors;
+# the grouping is computed once per step and reused. The key holds the tensor objects (so
+# their identity cannot be recycled while cached) and their in-place version counters.
+_decode_plan_cache: tuple[torch.Tensor, torch.Tensor, tuple, list[_DecodeGroup]] | None = None
+
+
+def _decode_plan(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int
+) -> list[_DecodeGroup]:
+    global _decode_plan_cache
+    # inference-mode tensors (the engine's) keep no version counter; they are made fresh each step
+    versions = tuple(-1 if t.is_inference() else t._version for t in (block_tables, context_lens))
+    values = (*versions, block_size, num_kv_heads, head_dim)
+    cached = _decode_plan_cache
+    if cached is not None and cached[0] is block_tables and cached[1] is context_lens and cached[2] == values:
+        return cached[3]
+    lens = context_lens.long()
+    # The engine lays decodes out sorted by length, so groups are contiguous slices (views, no
+    # index copies); other callers get an argsort.
+    in_order = bool((lens[1:] >= lens[:-1]).all())
+    order = None if in_order else torch.argsort(lens)
+    sorted_lens = (lens if order is None else lens[order]).tolist()
+    max_tokens = max(1, DECODE_GROUP_BYTES // (num_kv_heads * head_dim * 4))
+    bounds, real = [0], sorted_lens[0] if sorted_lens else 0
+    for j in range(1, len(sorted_lens)):
+        size, length = j - bounds[-1] + 1, sorted_lens[j]  # the group if j joins; j is its longest
+        if size * length - (real + length) > DECODE_PAD_TOKENS or size * length > max_tokens:
+            bounds.append(j)
+            real = length
+        else:
+            real += length
+    bounds.append(len(sorted_lens))
+    groups = []
+    for start, end in itertools.pairwise(bounds):
+        idx = slice(start, end) if order is None else order[start:end]
+        group_lens = lens[idx]
+        num_blocks = (int(group_lens.max()) + block_size - 1) // block_size
+        blocks = block_tables[idx, :num_blocks].long().clamp(min=0).flatten()
+        mask = torch.arange(num_blocks * block_size, device=lens.device) < group_lens.unsqueeze(1)
+        groups.append(_DecodeGroup(idx, blocks, num_blocks, mask[:, None, None, :]))
+    _decode_plan_cache = (block_tables, context_lens, values, groups)
+    return groups
+
+
+def paged_attention_decode(q: torch.Tensor, kv: PagedKV, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """One new query token per sequence against its whole cached context.
+
+    Sequences are sorted by context length and cut into groups (see :data:`DECODE_PAD_TOKENS`); each
+    group gathers whole blocks, pads to its longest context, masks the padding and runs one
+    ``scaled_dot_product_attention`` (fp32). GQA: the ``H // Hkv`` query heads of a KV head ride as
+    that head's query rows, so K/V are never repeated.
+
+    Args:
+        q: ``[num_seqs, num_heads, head_dim]``.
+        kv: the layer's cache.
+        block_tables: int32 ``[num_seqs, max_num_blocks]`` (unused entries -1).
+        context_lens: int32 ``[num_seqs]`` tokens in the cache, the new one included.
+        scale: softmax scale.
+    Returns:
+        ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``.
+    """
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = kv.num_kv_heads
+    out = torch.empty_like(q)
+    for g in _decode_plan(block_tables, context_lens, kv.block_size, num_kv_heads, head_dim):
+        n = g.blocks.numel() // g.num_blocks
+        k, v = gather_blocks(kv, g.blocks, n, torch.float32)
+        qf = q[g.seqs].to(torch.float32).reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(qf, k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask, scale=scale)
+        out[g.seqs] = o.reshape(n, num_heads, head_dim).to(q.dtype)
+    return out
+
+
+def paged_attention_prefill(q: torch.Tensor, kv: PagedKV, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                            block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of new tokens over cached prefix blocks plus themselves (already stored): one
+    gather of whole blocks and one SDPA call per sequence.
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]``, sequences concatenated.
+        kv: the layer's cache.
+        cu_seqlens_q: int32 ``[num_seqs + 1]`` offsets of each sequence's new tokens in ``q``.
+        context_lens: int32 ``[num_seqs]`` total tokens in the cache per sequence (prefix + new).
+        block_tables: int32 ``[num_seqs, max_num_blocks]``.
+        scale: softmax scale.
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
+    """
+    out = torch.empty_like(q)
+    bounds = cu_seqlens_q.tolist()
+    for i, n in enumerate(context_lens.tolist()):
+        a, b = bounds[i], bounds[i + 1]
+        k, v = gather_kv(kv, block_tables[i], n, q.dtype)
+        out[a:b] = attend(q[a:b], k, v, scale, causal_offset=n - (b - a))
+    return out
+
+
+# ----------------------------------------------------------------------------- norm / rope
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in fp32, returned in ``x.dtype``."""
+    # torch's fused kernel: the same fp32 arithmetic as the reference (bit-identical on CPU), one pass
+    return F.rms_norm(x.to(torch.float32), (x.shape[-1],), weight.to(torch.float32), eps).to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor | SplitKPartials, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual = x + residual``; returns ``(rms_norm(residual), residual)``. ``x`` may be a GEMM's
+    unreduced :class:`SplitKPartials`."""
+    if isinstance(x, SplitKPartials):
+        x = x.reduced()
+    residual = (x.to(torch.float32) + residual.to(torch.float32)).to(x.dtype)
+    return rms_norm(residual, weight, eps), residual
+
+
+def rope_store_kvcache(
+    positions: torch.Tensor,
+    qkv: torch.Tensor | SplitKPartials,
+    num_heads: int,
+    num_kv_heads: int,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    kv: PagedKV,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """A fused qkv projection's output ``[T, (Hq + 2 Hk) D]`` (or its split-K partials): q and k rotated
+    (:func:`rotary_qk`), k and v written at ``slot_mapping`` (:func:`store_kvcache`); returns q ``[T, Hq, D]``."""
+    if isinstance(qkv, SplitKPartials):
+        qkv = qkv.reduced()
+    t, d = qkv.shape[0], 2 * cos_cache.shape[1]
+    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    q, k = rotary_qk(positions, q.reshape(t, num_heads, d), k.reshape(t, num_kv_heads, d), cos_cache, sin_cache)
+    store_kvcache(k, v.reshape(t, num_kv_heads, d), kv, slot_mapping)
+    return q

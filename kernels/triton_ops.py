@@ -1,0 +1,19 @@
+"""The ``triton`` backend: the Triton launchers under the op names every backend shares (``backends.OP_NAMES``).
+
+Importing this module imports Triton (seconds on a CPU); ``backends.get_backend("triton")`` does it on
+first use. Tensors must be on a CUDA device, or on the CPU with ``TRITON_INTERPRET=1`` (Triton's
+interpreter: tests). Cache-free attention has no kernel of ours: it is torch's SDPA (``sdpa.py``).
+"""
+
+from __future__ import annotations
+
+from .kv_store import store_kvcache
+from .norm_rope import fused_add_rms_norm, rms_norm, rotary_qk, silu_and_mul
+from .paged_attention import paged_attention_decode, paged_attention_prefill
+from .rope_store import rope_store_kvcache
+from .sdpa import varlen_causal_attention
+from .w4a16_gemm import w4a16_gemm
+
+__all__ = ["fused_add_rms_norm", "paged_attention_decode", "paged_attention_prefill", "rms_norm",
+           "rope_store_kvcache", "rotary_qk", "silu_and_mul", "store_kvcache", "varlen_causal_attention",
+           "w4a16_gemm"]
