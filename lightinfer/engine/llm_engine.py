@@ -433,7 +433,8 @@ class LLMEngine:
         caching = self.block_manager.enable_prefix_caching
         self.block_manager.enable_prefix_caching = False  # every position must be computed
         try:
-            self.block_manager.allocate(seq)
+            if not self.block_manager.allocate_slots(seq, len(token_ids)):
+                raise RuntimeError(f"prompt_logits() found no KV blocks for {len(token_ids)} tokens in an idle engine")
             pieces = []
             chunk = self.config.max_num_batched_tokens
             for start in range(0, len(token_ids), chunk):
