@@ -43,7 +43,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from lightinfer.llm import LLM, apply_chat_template
+    from lightinfer.llm import LLM
 
     prompt: str | list[int]
     if args.prompt_ids is not None:
@@ -64,7 +64,7 @@ def _generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed)
     llm = LLM(args.model, **engine_kwargs(args))
     if args.chat:
-        prompt = apply_chat_template(llm.tokenizer, [{"role": "user", "content": args.prompt}])
+        prompt = llm.input_processor.render_chat([{"role": "user", "content": args.prompt}])
     if llm.tokenizer is None:  # ids in, ids out
         out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         sys.stdout.write(" ".join(map(str, out.token_ids)) + "\n")
