@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lightinfer.entrypoints import commands
+from lightinfer.cli import serve as commands
 from lightinfer.webui.app import content_text, history_messages, model_panel
 
 
