@@ -38,9 +38,6 @@ from torch import nn
 
 from lightinfer.layers.attention import no_cache_context
 
-MAX_CHUNK_TOKENS = 4096  # tokens per layer forward during capture (bounds activation memory)
-
-
 @dataclass
 class InputStats:
     """Statistics of one shared linear input ``X [T, K]`` (fp64 accumulators on the compute device).
