@@ -63,10 +63,9 @@ def weight_bytes(hf_config: object, quantization: str | None, dtype: torch.dtype
     """GPU bytes of every tensor the engine's model holds (parameters and buffers, rotary table
     included), built on the meta device: nothing is allocated. As the engine does by default,
     an untied input embedding stays in host memory and is not counted."""
-    from lightinfer.models.registry import get_model_class
-
     from lightinfer.dummy_weights import dummy_awq_config
     from lightinfer.engine.memory import module_bytes
+    from lightinfer.models.registry import get_model_class
 
     qc = dummy_awq_config(hf_config) if quantization == "awq" else None
     with torch.device("meta"):
@@ -77,9 +76,8 @@ def weight_bytes(hf_config: object, quantization: str | None, dtype: torch.dtype
 
 def kv_bytes_per_token(hf_config: object, kv_cache_dtype: str, block_size: int = 16) -> int:
     """KV cache bytes per token over all layers (``KVCacheSpec.bytes_per_token``)."""
-    from lightinfer.models.llama import head_dim_of
-
     from lightinfer.engine.kv_cache import KVCacheSpec
+    from lightinfer.models.llama import head_dim_of
 
     dtype = torch.int8 if kv_cache_dtype == "int8" else torch.float16
     return KVCacheSpec(hf_config.num_hidden_layers, hf_config.num_key_value_heads, head_dim_of(hf_config),

@@ -7,9 +7,9 @@ Parameter names follow Hugging Face so checkpoints load by name. Qwen2 (q/k/v bi
 from __future__ import annotations
 
 import torch
-from lightinfer.kernels._common import SplitKPartials
 from torch import nn
 
+from lightinfer.kernels._common import SplitKPartials
 from lightinfer.layers.activation import SiluAndMul
 from lightinfer.layers.attention import Attention
 from lightinfer.layers.embed_head import LMHead, VocabEmbedding

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from lightinfer.config import resolve_device
 from lightinfer.models.awq_tables import AwqTable, get_awq_table
 from lightinfer.quant.config import QuantConfig
 from lightinfer.quant.export import AtomicOutputDir, check_output_dir, write_checkpoint
-
-from lightinfer.config import resolve_device
 
 
 @dataclass
@@ -110,9 +110,8 @@ def quantize(
         FileNotFoundError: ``src`` or the calibration file not found.
         KeyboardInterrupt: re-raised after removing the temporary output.
     """
-    from lightinfer.models.registry import architecture_of, get_model_class
-
     from lightinfer.loader import Checkpoint
+    from lightinfer.models.registry import architecture_of, get_model_class
 
     cfg = config or QuantConfig()
     t0 = time.monotonic()

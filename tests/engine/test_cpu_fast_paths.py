@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from lightinfer.kernels import reference as ref
 
 from lightinfer.engine.cpu_malloc import tune_malloc_for_cpu_inference
+from lightinfer.kernels import reference as ref
 from lightinfer.layers.cpu_gemm import PackedWeight, onednn_gemm_available
 from lightinfer.layers.linear import Linear, W4A16Linear, fuse_linears
 

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+
 from lightinfer.kernels import pdl
 
 
