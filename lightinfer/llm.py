@@ -61,7 +61,7 @@ class LLM:
         """
         if (isinstance(prompts, (str, dict, TokenizedPrompt)) or not isinstance(prompts, Iterable)
                 or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))):
-            prompts = [prompts]  # type: ignore[list-item]  (one prompt; encode_prompt refuses other types)
+            prompts = [prompts]  # type: ignore[list-item]  (one prompt; the input processor refuses other types)
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
             sampling_params = SamplingParams()
