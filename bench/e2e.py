@@ -339,9 +339,8 @@ def preflight(args: argparse.Namespace) -> tuple[int, int, bool]:
         raise ValueError(f"{args.model} is an AWQ checkpoint: give its fp16 source as the baseline with "
                          f"--hf-model DIR, or skip the baseline with --no-hf")
     if not torch.cuda.is_available() and not args.no_hf:  # transformers would be OOM-killed, not refuse
-        from lightinfer.models.registry import get_model_class
-
         from lightinfer.engine.memory import available_host_bytes, check_host_memory
+        from lightinfer.models.registry import get_model_class
 
         with torch.device("meta"):
             skeleton = get_model_class(hf)(hf, None, torch.float32)

@@ -47,7 +47,7 @@ def prepare(source: Path | None) -> None:
         ValueError: the weights are too large for two parts.
     """
     if source is None:
-        from lightinfer.entrypoints.commands import ensure_quantized
+        from lightinfer.cli.serve import ensure_quantized
 
         source = ensure_quantized()
     weights = source / WEIGHTS

@@ -174,6 +174,7 @@ def bench_gemm(quick: bool, oracle_dir: Path, m_values: list[int]) -> list[dict[
 def bench_attention(quick: bool) -> list[dict[str, Any]]:
     """Paged decode (fp16 and int8 caches) vs SDPA on contiguous fp16 K/V, one layer."""
     import torch.nn.functional as F
+
     from lightinfer.kernels import KVCacheSpec, PagedKV
     from lightinfer.kernels.kv_store import store_kvcache
     from lightinfer.kernels.paged_attention import paged_attention_decode
@@ -326,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "group_size": GROUP_SIZE, "errors": {},
     }
     import triton
+
     from lightinfer.kernels import w4a16_gemm as wg
 
     result["triton"] = triton.__version__

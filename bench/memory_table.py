@@ -63,10 +63,9 @@ def weight_bytes(hf_config: object, quantization: str | None, dtype: torch.dtype
     """GPU bytes of every tensor the engine's model holds (parameters and buffers, rotary table
     included), built on the meta device: nothing is allocated. As the engine does by default,
     an untied input embedding stays in host memory and is not counted."""
-    from lightinfer.models.registry import get_model_class
-
     from lightinfer.dummy_weights import dummy_awq_config
     from lightinfer.engine.memory import module_bytes
+    from lightinfer.models.registry import get_model_class
 
     qc = dummy_awq_config(hf_config) if quantization == "awq" else None
     with torch.device("meta"):

@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightinfer.quant.api import quantize
-from lightinfer.quant.config import QuantConfig
 
 from lightinfer import LLM, SamplingParams
 from lightinfer.evaluate import perplexity
+from lightinfer.quant.api import quantize
+from lightinfer.quant.config import QuantConfig
 
 MODEL = "smollm2-135m-instruct"
 RESULTS = Path(__file__).resolve().parent / "results" / "quality.json"

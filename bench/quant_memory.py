@@ -25,7 +25,6 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightinfer.quant.api import quantize
 from lightinfer.quant.config import QuantConfig
-
 from tests.conftest import _save_tokenizer
 
 SHAPE = {"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32, "num_key_value_heads": 32,

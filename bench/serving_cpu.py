@@ -71,11 +71,11 @@ async def _measure(url: str, users: int, max_tokens: int) -> dict[str, Any]:
 
 def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from lightinfer.cli.serve import cache_dir
     from lightinfer.config import EngineConfig
     from lightinfer.engine.async_engine import AsyncLLMEngine
     from lightinfer.engine.llm_engine import LLMEngine
-    from lightinfer.entrypoints.commands import cache_dir
-    from lightinfer.entrypoints.server import build_app
+    from lightinfer.entrypoints.server import build_api_app
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     awq = cache_dir() / "smollm2-135m-instruct-awq"
@@ -91,7 +91,7 @@ def main() -> int:
                                                    kv_cache_dtype=args.kv_cache_dtype)))
     load_s = time.perf_counter() - t0
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, served_model_name="bench", enable_ui=False),
+    server = uvicorn.Server(uvicorn.Config(build_api_app(engine, served_model_name="bench"),
                                            host="127.0.0.1", port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:

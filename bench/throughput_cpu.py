@@ -45,11 +45,11 @@ TOPICS = ("the sea", "volcanoes", "Paris", "bread", "the moon", "trains", "music
 
 def make_chat_prompts(tokenizer: object, n: int, seed: int = 0) -> list[list[int]]:
     """``n`` chat-templated requests whose answers end (EOS) at very different lengths."""
-    from lightinfer.llm import apply_chat_template
+    from lightinfer.inputs import render_chat
 
     rng = random.Random(seed)
-    return [apply_chat_template(tokenizer, [{"role": "user", "content": rng.choice(TASKS).format(
-        t=rng.choice(TOPICS), n=rng.randint(2, 9))}]) for _ in range(n)]
+    return [render_chat(tokenizer, [{"role": "user", "content": rng.choice(TASKS).format(
+        t=rng.choice(TOPICS), n=rng.randint(2, 9))}]).prompt_token_ids for _ in range(n)]
 
 
 def hf_model() -> torch.nn.Module:

@@ -326,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench/tune_w4a16.py needs a CUDA GPU: torch.cuda.is_available() is False. Nothing tuned.", file=sys.stderr)
         return 2
     import triton
+
     from lightinfer.kernels import w4a16_tuning as wt
 
     device = torch.cuda.get_device_name()

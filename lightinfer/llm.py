@@ -9,60 +9,10 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 
 from lightinfer.config import EngineConfig
-from lightinfer.engine.detokenizer import check_text
 from lightinfer.engine.llm_engine import LLMEngine
+from lightinfer.inputs import EngineRequest, InputProcessor, Message, PromptType, TokenizedPrompt
 from lightinfer.outputs import RequestOutput
 from lightinfer.sampling_params import SamplingParams
-
-Message = dict[str, object]
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # as the OpenAI API takes them
-PromptType = str | list[int] | dict  # dict: vLLM style {"prompt": ...} or {"prompt_token_ids": ...}
-
-
-def message_text(content: object) -> str:
-    """A chat message's text: a plain string, or the text parts of a list of content blocks
-    (OpenAI / Gradio style ``[{"type": "text", "text": ...}, ...]``)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, (list, tuple)):
-        parts = []
-        for block in content:
-            if isinstance(block, str):
-                parts.append(block)
-            elif isinstance(block, dict) and isinstance(block.get("text"), str):
-                parts.append(block["text"])
-        return "".join(parts)
-    if isinstance(content, dict) and isinstance(content.get("text"), str):
-        return content["text"]
-    raise ValueError(f"message content must be a string or a list of text blocks, got {type(content).__name__}")
-
-
-def apply_chat_template(tokenizer: object, messages: list[Message]) -> list[int]:
-    """Token ids of ``messages`` through the tokenizer's chat template, ready for the reply.
-
-    Raises:
-        ValueError: no messages, a message without role/content or with an unknown role, text that is not
-            valid Unicode, or a tokenizer without a template.
-    """
-    if isinstance(messages, (str, dict)) or not messages:
-        raise ValueError("a conversation is a non-empty list of {'role': ..., 'content': ...} messages"
-                         + (f", got {type(messages).__name__}" if messages else ", got an empty one"))
-    clean = []
-    for m in messages:
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
-        if m["role"] not in CHAT_ROLES:
-            raise ValueError(f"message role {m['role']!r} is not one of {', '.join(CHAT_ROLES)}")
-        role = "system" if m["role"] == "developer" else str(m["role"])  # OpenAI's newer name for system
-        clean.append({"role": role, "content": check_text(message_text(m["content"]), f"a {role} message")})
-    if tokenizer is None:
-        raise ValueError("this engine has no tokenizer (skip_tokenizer_init or a dummy model): chat needs one")
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-    ids = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
 
 
 class LLM:
@@ -88,6 +38,11 @@ class LLM:
     def tokenizer(self) -> object:
         return self.llm_engine.tokenizer
 
+    @property
+    def input_processor(self) -> InputProcessor:
+        """The engine's :class:`lightinfer.inputs.InputProcessor` (tokenizing, chat template, checks)."""
+        return self.llm_engine.input_processor
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -97,15 +52,16 @@ class LLM:
         """Generate for every prompt, batched; results in input order.
 
         Args:
-            prompts: a string, a list of strings, or a list of token-id lists.
+            prompts: a prompt or a list of them: a string, a token-id list, vLLM's ``{"prompt": text}`` /
+                ``{"prompt_token_ids": ids}``, or a :class:`lightinfer.inputs.TokenizedPrompt`.
             sampling_params: one for all, or one per prompt (default: ``SamplingParams()``).
             use_tqdm: show a progress bar.
         Raises:
             ValueError: a bad prompt or setting (checked for every prompt before any work starts).
         """
-        if (isinstance(prompts, (str, dict)) or not isinstance(prompts, Iterable)
+        if (isinstance(prompts, (str, dict, TokenizedPrompt)) or not isinstance(prompts, Iterable)
                 or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))):
-            prompts = [prompts]  # type: ignore[list-item]  (one prompt; encode_prompt refuses other types)
+            prompts = [prompts]  # type: ignore[list-item]  (one prompt; the input processor refuses other types)
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -116,21 +72,31 @@ class LLM:
                              f"e.g. SamplingParams(max_tokens=64)")
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
-        for p, sp in zip(prompts, params):  # validate all before queueing any
-            sp.validate()
-            self.llm_engine.encode_prompt(p)
-        return self._run([(p, sp) for p, sp in zip(prompts, params)], use_tqdm)
+        processor = self.input_processor
+        requests = [processor.process(p, sp) for p, sp in zip(prompts, params)]  # all checked before any is queued
+        return self._run(requests, use_tqdm)
 
     def chat(
         self,
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template.
 
+        Args:
+            messages: ``[{"role", "content"}, ...]``, or a list of such conversations.
+            sampling_params: one for all, or one per conversation (default: ``SamplingParams()``).
+            use_tqdm: show a progress bar.
+            add_generation_prompt: end the prompt with the assistant's header (the reply is generated).
+            tools: JSON-schema tool definitions, rendered by templates that support them.
+            chat_template_kwargs: extra template variables (e.g. ``{"enable_thinking": False}``).
         Raises:
-            ValueError: see :func:`apply_chat_template`, and :meth:`generate`.
+            ValueError: see :func:`lightinfer.inputs.render_chat`, and :meth:`generate`.
         """
         if isinstance(messages, (str, dict)):
             raise ValueError(  # noqa: TRY004 - every bad input is a ValueError here
@@ -140,20 +106,22 @@ class LLM:
             raise ValueError("chat() got no messages: give a conversation (a list of {'role': ..., 'content': ...} "
                              "messages) or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        ids = [apply_chat_template(self.tokenizer, conv) for conv in conversations]  # type: ignore[arg-type]
-        return self.generate(ids, sampling_params, use_tqdm)
+        prompts = [self.input_processor.render_chat(
+            conv, add_generation_prompt=add_generation_prompt, tools=tools,  # type: ignore[arg-type]
+            chat_template_kwargs=chat_template_kwargs) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, items: list[tuple[PromptType, SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, requests: list[EngineRequest], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         order: dict[str, int] = {}
-        for i, (prompt, sp) in enumerate(items):
+        for i, request in enumerate(requests):
             rid = f"llm-{next(self._ids)}"
             order[rid] = i
-            engine.add_request(rid, prompt, sp)
-        results: list[RequestOutput | None] = [None] * len(items)
-        bar = tqdm(total=len(items), desc="generating", disable=not use_tqdm)
+            engine.add_request(rid, request)
+        results: list[RequestOutput | None] = [None] * len(requests)
+        bar = tqdm(total=len(requests), desc="generating", disable=not use_tqdm)
         try:
-            remaining = len(items)
+            remaining = len(requests)
             while remaining:
                 for out in engine.step(final_only=True):
                     if out.finished and out.request_id in order:
@@ -222,8 +190,9 @@ class Pipeline:
                              "from a bare config folder?): use LLM(...).generate with token-id prompts instead")
         self.llm = llm
 
-    def _to_ids(self, prompt: str | list[Message]) -> list[int] | str:
+    def _to_prompt(self, prompt: str | list[Message]) -> TokenizedPrompt | str:
         tok = self.llm.tokenizer
+        processor = self.llm.input_processor
         if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not all(
                 isinstance(m, dict) for m in prompt)):
             raise ValueError(f"a pipeline prompt is a string or a list of {{'role': ..., 'content': ...}} messages, "
@@ -232,9 +201,9 @@ class Pipeline:
             if not prompt:
                 raise ValueError("the prompt is empty")
             if getattr(tok, "chat_template", None):
-                return apply_chat_template(tok, [{"role": "user", "content": prompt}])
+                return processor.render_chat([{"role": "user", "content": prompt}])
             return prompt
-        return apply_chat_template(tok, prompt)
+        return processor.render_chat(prompt)
 
     @staticmethod
     def _params(gen_config: SamplingParams | None, kwargs: dict) -> SamplingParams:
@@ -257,7 +226,7 @@ class Pipeline:
         """Generate; a single prompt gives one :class:`Response`, a list gives a list."""
         batch, single = self._batch(prompts)
         sp = self._params(gen_config, kwargs)
-        outs = self.llm.generate([self._to_ids(p) for p in batch], sp, use_tqdm=False)  # type: ignore[arg-type]
+        outs = self.llm.generate([self._to_prompt(p) for p in batch], sp, use_tqdm=False)  # type: ignore[arg-type]
         responses = [Response(o.outputs[0].text, len(o.outputs[0].token_ids), len(o.prompt_token_ids),
                               o.outputs[0].finish_reason, o.outputs[0].token_ids, i) for i, o in enumerate(outs)]
         return responses[0] if single else responses
@@ -266,7 +235,7 @@ class Pipeline:
                      **kwargs: object) -> Iterator[str]:
         """Yield text pieces for one prompt as they are generated."""
         sp = self._params(gen_config, kwargs)
-        yield from self.llm.stream(self._to_ids(prompt), sp)
+        yield from self.llm.stream(self._to_prompt(prompt), sp)
 
 
 def pipeline(model: str, **options: object) -> Pipeline:

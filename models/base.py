@@ -17,10 +17,10 @@ import abc
 from typing import ClassVar
 
 import torch
-from lightinfer.models.awq_tables import AwqTable
 from torch import nn
 
 from lightinfer.layers.embed_head import LMHead, VocabEmbedding
+from lightinfer.models.awq_tables import AwqTable
 
 
 class CausalLM(nn.Module, metaclass=abc.ABCMeta):

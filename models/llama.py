@@ -11,8 +11,6 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-from lightinfer.models.awq_tables import LLAMA_TABLE, AwqTable
-from lightinfer.models.base import CausalLM
 from torch import nn
 
 from lightinfer.layers.activation import SiluAndMul
@@ -22,6 +20,8 @@ from lightinfer.layers.fusion import RESIDUAL, Feeds, Fuse, FusionPlan, material
 from lightinfer.layers.linear import make_linear
 from lightinfer.layers.norm import RMSNorm
 from lightinfer.layers.rotary import RotaryEmbedding, rope_parameters
+from lightinfer.models.awq_tables import LLAMA_TABLE, AwqTable
+from lightinfer.models.base import CausalLM
 
 
 def head_dim_of(hf_config: object) -> int:

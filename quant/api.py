@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from lightinfer.quant.config import QuantConfig
-from lightinfer.quant.export import AtomicOutputDir, check_output_dir, write_checkpoint
 
 from lightinfer.config import resolve_device
+from lightinfer.quant.config import QuantConfig
+from lightinfer.quant.export import AtomicOutputDir, check_output_dir, write_checkpoint
 
 
 @dataclass
@@ -97,9 +97,8 @@ def quantize(
         FileNotFoundError: ``src`` or the calibration file not found.
         KeyboardInterrupt: re-raised after removing the temporary output.
     """
-    from lightinfer.models.registry import architecture_of, get_model_class, quantizable_architectures
-
     from lightinfer.loader import Checkpoint
+    from lightinfer.models.registry import architecture_of, get_model_class, quantizable_architectures
 
     cfg = config or QuantConfig()
     t0 = time.monotonic()

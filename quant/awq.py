@@ -32,13 +32,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from lightinfer.models.awq_tables import AwqTable
-from lightinfer.quant.primitives import check_finite, fake_quantize, pack, quantize_groups
 from torch import nn
 
 from lightinfer.layers.attention import no_cache_context
-
-MAX_CHUNK_TOKENS = 4096  # tokens per layer forward during capture (bounds activation memory)
+from lightinfer.models.awq_tables import AwqTable
+from lightinfer.quant.primitives import check_finite, fake_quantize, pack, quantize_groups
 
 
 @dataclass

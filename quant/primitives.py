@@ -21,6 +21,7 @@ nibble order of :data:`kernels.reference.AWQ_ORDER` (reused here, not duplicated
 from __future__ import annotations
 
 import torch
+
 from lightinfer.kernels.reference import pack_awq, unpack_awq
 
 MIN_SCALE = 1e-5

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
 from lightinfer.models.awq_tables import AwqTable
 from lightinfer.quant.primitives import check_finite, quantize_linear_weight
 

@@ -33,3 +33,29 @@ def test_busy_port_is_refused_before_loading(capsys) -> None:
         port = s.getsockname()[1]
         assert main(["serve", "smollm2-135m-instruct", "--port", str(port)]) == 2
     assert "choose another port with --port" in capsys.readouterr().err
+
+
+def test_every_subcommand_and_flag_is_described_with_its_default() -> None:
+    """``lightinfer COMMAND --help`` explains every flag and shows its default; ``lightinfer --help`` gives
+    each command one line."""
+    import argparse
+
+    from lightinfer.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    summaries = {a.dest: a.help for a in sub._choices_actions}
+    assert set(summaries) == {"generate", "quantize", "eval-ppl", "serve", "demo"}
+    for name, command in sub.choices.items():
+        assert summaries[name] and "\n" not in summaries[name], name
+        assert command.description, name
+        formatter = command.formatter_class(prog=command.prog)
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, f"{name} {action.dest} has no help text"
+            if action.option_strings:
+                shown = formatter._get_help_string(action) % {"default": action.default}
+                assert "default" in shown, f"{name} {action.option_strings[0]} does not show its default: {shown}"
+    assert "--port PORT           TCP port (default: 7860)" in sub.choices["demo"].format_help()
+    assert "(default: 256)" in sub.choices["generate"].format_help()  # --max-tokens

@@ -9,7 +9,6 @@ Stop cancels the Gradio event, which closes the generator below, which aborts th
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 from collections.abc import AsyncIterator
@@ -18,6 +17,7 @@ from typing import Any
 import gradio as gr
 
 from lightinfer.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError
+from lightinfer.inputs import fit_context
 from lightinfer.sampling_params import SamplingParams
 
 _STATS_TAG = "lightinfer-stats"  # metadata id of our own notes, which are never sent to the model
@@ -48,33 +48,6 @@ def history_messages(history: list[Any]) -> list[dict[str, str]]:
         if m.get("role") in ("user", "assistant") and text:
             out.append({"role": m["role"], "content": text})
     return out
-
-
-def fit_context(tokenizer: Any, system: str, turns: list[dict[str, str]], max_model_len: int,
-                max_new_tokens: int) -> tuple[list[int], int, int]:
-    """Template the conversation, dropping the oldest turns until it fits the context.
-
-    Returns:
-        ``(prompt_ids, num_dropped_messages, max_new_tokens)``; the last may be lowered so that the
-        prompt plus reply fit ``max_model_len``.
-    Raises:
-        ValueError: the newest message alone (with the system prompt) does not fit.
-    """
-    head = [{"role": "system", "content": system}] if system.strip() else []
-    dropped = 0
-    while True:
-        text = tokenizer.apply_chat_template(head + turns, add_generation_prompt=True, tokenize=False)
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) + max_new_tokens <= max_model_len or len(turns) <= 1:
-            break
-        # drop the oldest user turn and the reply to it, so the conversation still starts with a user
-        cut = 1
-        while cut < len(turns) - 1 and turns[cut]["role"] != "user":
-            cut += 1
-        turns, dropped = turns[cut:], dropped + cut
-    if len(ids) >= max_model_len:
-        raise ValueError(f"the message is {len(ids)} tokens long; the model's context holds {max_model_len}")
-    return ids, dropped, min(max_new_tokens, max_model_len - len(ids))
 
 
 def model_panel(info: dict[str, Any]) -> str:
@@ -115,7 +88,7 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
     """
     # Gradio summarises its queue analytics with pandas after every event by default: every 100 is plenty.
     os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", "100")
-    tokenizer = copy.deepcopy(engine.tokenizer)  # the engine thread owns the engine's copy
+    inputs = engine.input_processor.copy()  # its own tokenizer: the engine thread owns the engine's copy
     info = engine.model_info()
     max_model_len = int(info["max_model_len"])
 
@@ -124,10 +97,12 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
                       ) -> AsyncIterator[str | list[gr.ChatMessage]]:
         turns = history_messages(history) + [{"role": "user", "content": content_text(message)}]
         try:
-            ids, dropped, max_new = fit_context(tokenizer, system or "", turns, max_model_len, int(max_new_tokens))
+            prompt, dropped, max_new = fit_context(inputs.tokenizer, system or "", turns, max_model_len,
+                                                   int(max_new_tokens))
             params = SamplingParams(temperature=float(temperature), top_p=float(top_p),
                                     top_k=int(top_k) if top_k and int(top_k) > 0 else -1, max_tokens=max_new,
                                     seed=int(seed) if seed is not None and seed >= 0 else None)
+            request = inputs.process(prompt, params)
         except ValueError as exc:
             yield [_note(f"⚠️ {exc}")]
             return
@@ -139,7 +114,7 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
         request_id = engine.new_request_id("ui")
         start, first, text, num_tokens = time.monotonic(), None, "", 0
         try:
-            async for out in engine.generate(ids, params, request_id):
+            async for out in engine.generate(request, request_id=request_id):
                 comp = out.outputs[0]
                 num_tokens = len(comp.token_ids)
                 if first is None and num_tokens:

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from lightinfer.inputs import EngineRequest, PromptType
 from lightinfer.outputs import RequestOutput
 from lightinfer.sampling_params import SamplingParams
 
@@ -120,6 +121,9 @@ class AsyncLLMEngine:
     def __init__(self, engine: Any, max_waiting: int | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        # The engine's input processor: front ends take a copy (own tokenizer) and submit EngineRequests,
+        # so the engine thread never tokenizes.
+        self.input_processor = engine.input_processor
         self.max_waiting = max_waiting if max_waiting is not None else engine.config.max_waiting
         self._model_info = engine.model_info()
         self._stats = engine.get_stats()
@@ -172,9 +176,15 @@ class AsyncLLMEngine:
         return f"{prefix}-{next(self._ids)}-{time.monotonic_ns() % 10**9}"
 
     async def add_request(
-        self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams
+        self, request_id: str, prompt: PromptType | EngineRequest, sampling_params: SamplingParams | None = None
     ) -> RequestStream:
         """Submit a request and wait until the engine accepted it.
+
+        Args:
+            request_id: a unique id (see :meth:`new_request_id`).
+            prompt: an :class:`EngineRequest` made by a copy of :attr:`input_processor` (what the
+                front ends send), or a plain prompt that the engine thread processes.
+            sampling_params: for a plain prompt; an EngineRequest carries its own.
 
         Returns:
             the request's stream of cumulative outputs (the last one has ``finished=True``;
@@ -205,7 +215,8 @@ class AsyncLLMEngine:
         return stream
 
     async def generate(
-        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str | None = None
+        self, prompt: PromptType | EngineRequest, sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit and stream; leaving the loop early (break, cancel, disconnect) aborts the request.
 
@@ -282,7 +293,8 @@ class AsyncLLMEngine:
             except Exception as exc:  # noqa: BLE001 -- whatever add_request raises, only this request is refused
                 accepted.set_exception(exc if isinstance(exc, ValueError) else ValueError(str(exc)))
                 return
-            self._requests[request_id] = _Tracked(stream, time.monotonic(), num_tokens=[0] * params.n)
+            n = (prompt.sampling_params if isinstance(prompt, EngineRequest) else params or SamplingParams()).n
+            self._requests[request_id] = _Tracked(stream, time.monotonic(), num_tokens=[0] * n)
             accepted.set_result(None)
         elif kind == "abort":
             tracked = self._requests.pop(cmd[1], None)

@@ -15,6 +15,11 @@ used cached block is the first to be reused::
 
 Only full, computed blocks are ever shared; :meth:`BlockManager.fork` copies a partially
 filled last block (copy-on-fork) and returns the copies the model runner must make.
+
+One call serves the scheduler, as vLLM v1's ``allocate_slots``: it admits a sequence (the
+prefix-cache lookup runs once, there) or grows a running one, and answers False instead of
+allocating when the free blocks do not suffice. Each full block of a sequence is hashed once
+(the hashes live on the sequence), whether for a lookup or for registering it.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block_id: dict[bytes, int] = {}
-        self.block_hashes: dict[int, list[bytes]] = {}  # seq_id -> hashes of its registered blocks
+        self.num_registered: dict[int, int] = {}  # seq_id -> how many of its leading blocks are registered
         self.num_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_hits = 0  # of which served from it
 
@@ -97,81 +102,88 @@ class BlockManager:
         block.hash, block.token_ids = None, []
         return block
 
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The chained hashes of ``seq``'s first ``num_blocks`` full blocks, each block hashed once per
+        sequence: they are kept on the sequence (its tokens only grow, so a full block never changes)."""
+        hashes = seq.block_hashes
+        for i in range(len(hashes), num_blocks):
+            tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+            hashes.append(chain_hash(hashes[-1] if hashes else b"", tokens))
+        return hashes
+
     def _cached_prefix(self, seq: Sequence) -> list[Block]:
         """Blocks that hold this sequence's leading full blocks (at least one token left to compute)."""
         if not self.enable_prefix_caching:
             return []
         hits: list[Block] = []
-        prev = b""
-        for i in range((seq.num_tokens - 1) // self.block_size):
+        num_full = (seq.num_tokens - 1) // self.block_size
+        for i, h in enumerate(self._block_hashes(seq, num_full)[:num_full]):
+            block_id = self.hash_to_block_id.get(h)
             tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
-            prev = chain_hash(prev, tokens)
-            block_id = self.hash_to_block_id.get(prev)
             if block_id is None or self.blocks[block_id].token_ids != tokens:  # token check on every hit
                 break
             hits.append(self.blocks[block_id])
         return hits
 
     # ------------------------------------------------------------------ API
-    def can_allocate(self, seq: Sequence) -> bool:
-        """Whether :meth:`allocate` would find blocks for all of ``seq``'s current tokens."""
-        hits = self._cached_prefix(seq)
-        in_free_queue = sum(1 for b in hits if b.ref_count == 0)
-        needed = self.blocks_needed(seq.num_tokens) - len(hits) + in_free_queue
-        return needed <= self.num_free_blocks
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Give ``seq`` KV slots for its next ``num_new_tokens`` tokens to compute; False when blocks run out.
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give ``seq`` blocks for all its tokens, reusing cached prefix blocks.
+        A sequence without blocks is being admitted (new, or preempted and to be recomputed): its
+        leading full blocks are first looked up in the prefix cache, once, and the hits are shared
+        and count as computed (``seq.num_computed_tokens``; on the first admission also
+        ``seq.num_cached_tokens``). Then slots are added for tokens up to ``num_computed_tokens +
+        num_new_tokens`` (capped at the sequence's length): the scheduler asks for the whole prompt
+        on admission and for the step's chunk (or the one decode token) afterwards.
 
-        Sets ``seq.block_table`` and ``seq.num_computed_tokens`` (the cached tokens); on the first
-        admission also ``seq.num_cached_tokens``. Raises RuntimeError when blocks run out (call
-        :meth:`can_allocate` first).
+        Args:
+            seq: the sequence; its ``block_table`` grows in place.
+            num_new_tokens: tokens to compute after those already computed (or cached).
+        Returns:
+            True when every slot is there; False when the free blocks do not suffice, and then
+            nothing changed: the caller preempts another sequence or leaves ``seq`` waiting.
         """
-        assert not seq.block_table, "allocate() on a sequence that already holds blocks"
-        if not self.can_allocate(seq):
-            raise RuntimeError("allocate() without enough free blocks; check can_allocate() first")
-        hits = self._cached_prefix(seq)
-        hashes: list[bytes] = []
+        admitting = not seq.block_table
+        hits = self._cached_prefix(seq) if admitting else []
+        num_tokens = min(seq.num_tokens, len(hits) * self.block_size + (
+            0 if admitting else seq.num_computed_tokens) + num_new_tokens)
+        num_new_blocks = max(0, self.blocks_needed(num_tokens) - len(hits) - len(seq.block_table))
+        in_free_queue = sum(1 for b in hits if b.ref_count == 0)  # hits that leave the free queue too
+        if num_new_blocks + in_free_queue > self.num_free_blocks:
+            return False
         for block in hits:
             if block.ref_count == 0:
                 self._take_free(block.block_id)
             else:
                 block.ref_count += 1
             seq.block_table.append(block.block_id)
-            hashes.append(block.hash)  # type: ignore[arg-type]
-        for _ in range(self.blocks_needed(seq.num_tokens) - len(hits)):
+        for _ in range(num_new_blocks):
             seq.block_table.append(self._new_block().block_id)
-        self.block_hashes[seq.seq_id] = hashes
-        seq.num_computed_tokens = len(hits) * self.block_size
-        if not seq.admitted:
-            seq.admitted = True
-            seq.num_cached_tokens = seq.num_computed_tokens
-            if self.enable_prefix_caching:
-                self.num_queries += seq.num_tokens
-                self.num_hits += seq.num_computed_tokens
-
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether a slot for every token of ``seq`` can be provided (one new block at most)."""
-        return self.blocks_needed(seq.num_tokens) - len(seq.block_table) <= self.num_free_blocks
-
-    def append_slot(self, seq: Sequence) -> None:
-        """Add blocks so that every token of ``seq`` has a slot (after a token was appended)."""
-        while len(seq.block_table) < self.blocks_needed(seq.num_tokens):
-            seq.block_table.append(self._new_block().block_id)
+        if admitting:
+            self.num_registered[seq.seq_id] = len(hits)
+            seq.num_computed_tokens = len(hits) * self.block_size
+            if not seq.admitted:
+                seq.admitted = True
+                seq.num_cached_tokens = seq.num_computed_tokens
+                if self.enable_prefix_caching:
+                    self.num_queries += seq.num_tokens
+                    self.num_hits += seq.num_computed_tokens
+        return True
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Hash every block of ``seq`` that is now full and computed, for later prefix hits."""
         if not self.enable_prefix_caching:
             return
-        hashes = self.block_hashes.setdefault(seq.seq_id, [])
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        for i in range(len(hashes), num_full):
-            tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
-            h = chain_hash(hashes[-1] if hashes else b"", tokens)
+        start = self.num_registered.get(seq.seq_id, 0)
+        if start >= num_full:
+            return
+        hashes = self._block_hashes(seq, num_full)
+        for i in range(start, num_full):
             block = self.blocks[seq.block_table[i]]
-            block.hash, block.token_ids = h, tokens
-            self.hash_to_block_id.setdefault(h, block.block_id)
-            hashes.append(h)
+            block.hash, block.token_ids = hashes[i], seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+            self.hash_to_block_id.setdefault(hashes[i], block.block_id)
+        self.num_registered[seq.seq_id] = num_full
 
     def _fork_private(self, parent: Sequence) -> list[int]:
         """Indices of ``parent``'s blocks a fork cannot share: those not full and computed."""
@@ -204,7 +216,7 @@ class BlockManager:
             if i * self.block_size < parent.num_computed_tokens:
                 copies.append((block_id, dst.block_id))
             child.block_table.append(dst.block_id)
-        self.block_hashes[child.seq_id] = list(self.block_hashes.get(parent.seq_id, []))
+        self.num_registered[child.seq_id] = self.num_registered.get(parent.seq_id, 0)
         return copies
 
     def free(self, seq: Sequence) -> None:
@@ -216,4 +228,4 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
         seq.block_table = []
-        self.block_hashes.pop(seq.seq_id, None)
+        self.num_registered.pop(seq.seq_id, None)

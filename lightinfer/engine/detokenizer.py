@@ -2,19 +2,6 @@
 
 from __future__ import annotations
 
-
-def check_text(text: str, what: str) -> str:
-    """``text`` if it can be encoded as UTF-8 (the tokenizer needs that), else a ValueError naming ``what``
-    and the position: a lone UTF-16 surrogate (``"\\ud800"``, from a JSON ``\\u`` escape or a bad decode)
-    is a Python string but not Unicode text, and would fail deep inside the tokenizer."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{what} is not valid Unicode text: a lone surrogate {text[e.start]!r} at character {e.start}; "
-                         f"send UTF-8 text") from None
-    return text
-
-
 # Prompt tokens decoded in front of the output: SentencePiece tokenizers drop a word's leading
 # space when it is decoded alone, so each piece is decoded with a little left context.
 _CONTEXT_TOKENS = 6

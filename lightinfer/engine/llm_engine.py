@@ -14,11 +14,12 @@ import torch
 
 from lightinfer.config import EngineConfig
 from lightinfer.engine.block_manager import BlockManager
-from lightinfer.engine.detokenizer import IncrementalDetokenizer, check_text, find_stop, stop_holdback
+from lightinfer.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
 from lightinfer.engine.model_runner import ModelRunner
 from lightinfer.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from lightinfer.engine.sequence import Sequence
 from lightinfer.engine.step_inputs import select_rows
+from lightinfer.inputs import EngineRequest, InputProcessor, PromptType
 from lightinfer.layers.sampler import INVALID_TOKEN, Sampler, SamplingRow, has_penalties
 from lightinfer.loader import Checkpoint
 from lightinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -137,6 +138,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds what this model supports ({model_max}: "
                              f"max_position_embeddings, or the sliding window); use at most {model_max}")
         self.vocab_size = int(hf_config.vocab_size)
+        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, int(config.max_model_len))
         self.model_runner = ModelRunner(config, self.checkpoint)
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
@@ -148,71 +150,33 @@ class LLMEngine:
                     config.torch_device, str(config.torch_dtype).replace("torch.", ""))
 
     # ------------------------------------------------------------------ requests
-    def encode_prompt(self, prompt: str | list[int] | dict) -> tuple[str, list[int]]:
-        """``(prompt text, token ids)`` from text or ids.
-
-        Also takes vLLM's prompt dicts: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``.
-
-        Raises:
-            ValueError: empty prompt, text that is not valid Unicode, ids outside the vocabulary, a dict
-                without either key, another type, or a prompt that leaves no room for one new token within
-                ``max_model_len``.
-        """
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError(f"a dict prompt needs 'prompt' (text) or 'prompt_token_ids' (a list of ids), "
-                                 f"got keys {sorted(prompt)}")
-        if not isinstance(prompt, (str, list, tuple)):
-            raise ValueError(  # noqa: TRY004 - every bad input is a ValueError here
-                f"a prompt is a string, a list of token ids or a {{'prompt': ...}} / "
-                f"{{'prompt_token_ids': ...}} dict, got {type(prompt).__name__}")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty; give at least one character or token id")
-            check_text(prompt, "the prompt")
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer (skip_tokenizer_init, or dummy weights from a config "
-                                 "folder without tokenizer files): give prompts as token-id lists")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-            text = prompt
-        else:
-            ids = list(prompt)
-            if not ids:
-                raise ValueError("the prompt is empty; give at least one character or token id")
-            bad = [t for t in ids if not isinstance(t, int) or not (0 <= t < self.vocab_size)]
-            if bad:
-                raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
-            text = self.tokenizer.decode(ids) if self.tokenizer is not None else ""
-        if len(ids) >= int(self.config.max_model_len):
-            raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {self.config.max_model_len}: "
-                             f"shorten it (or raise max_model_len) so that at least one token can be generated")
-        return text, ids
-
     def add_request(
-        self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams,
+        self, request_id: str, prompt: PromptType | EngineRequest, sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request; it joins the running batch at the next step with room.
 
+        Args:
+            request_id: the caller's unique id.
+            prompt: an :class:`EngineRequest` (made by an :class:`InputProcessor`, e.g. a front end's),
+                taken as it is; or a plain prompt (text, ids, vLLM's prompt dicts), which goes through
+                this engine's ``input_processor`` first.
+            sampling_params: for a plain prompt (default ``SamplingParams()``); an EngineRequest carries its own.
+            arrival_time: ``time.monotonic()`` of arrival (default: now).
         Raises:
-            ValueError: a duplicate ``request_id`` or a bad prompt (see :meth:`encode_prompt`);
-                nothing is queued then.
+            ValueError: a duplicate ``request_id``, a bad prompt or setting (see
+                :meth:`InputProcessor.process`); nothing is queued then.
         """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        sampling_params.validate()
-        if sampling_params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer and this engine has none; use stop_token_ids")
-        too_big = [t for t in sampling_params.stop_token_ids if t >= self.vocab_size]
-        if too_big:  # they index the logits row (banned before min_tokens): out of range on the GPU is fatal
-            raise ValueError(f"stop_token_ids {too_big} are outside the vocabulary (ids 0..{self.vocab_size - 1})")
-        text, ids = self.encode_prompt(prompt)
-        p = sampling_params
-        req = Request(request_id, text, ids, p, RequestMetrics(arrival_time or time.monotonic()))
+        if isinstance(prompt, EngineRequest):
+            if sampling_params is not None and sampling_params is not prompt.sampling_params:
+                raise ValueError("an EngineRequest carries its own sampling_params; pass None")
+            request = prompt
+        else:
+            request = self.input_processor.process(prompt, SamplingParams() if sampling_params is None else sampling_params)
+        ids, p = request.prompt_token_ids, request.sampling_params
+        req = Request(request_id, request.prompt, ids, p, RequestMetrics(arrival_time or time.monotonic()))
         for i in range(p.n):
             gen = None
             if p.seed is not None:
@@ -434,7 +398,8 @@ class LLMEngine:
         caching = self.block_manager.enable_prefix_caching
         self.block_manager.enable_prefix_caching = False  # every position must be computed
         try:
-            self.block_manager.allocate(seq)
+            if not self.block_manager.allocate_slots(seq, len(token_ids)):
+                raise RuntimeError(f"prompt_logits() found no KV blocks for {len(token_ids)} tokens in an idle engine")
             pieces = []
             chunk = self.config.max_num_batched_tokens
             for start in range(0, len(token_ids), chunk):

@@ -78,9 +78,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the blocks, keep the tokens, requeue at the front."""
         self.running.remove(seq)
@@ -99,7 +96,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            while not bm.can_append(seq):
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not bm.allocate_slots(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.num_preempted += 1
@@ -107,16 +105,13 @@ class Scheduler:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 break
-            bm.append_slot(seq)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
             i += 1
         while not out.num_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not bm.can_allocate(seq):
+            if not bm.allocate_slots(seq, seq.num_tokens):  # the whole prompt (past any cached prefix)
                 break
-            bm.allocate(seq)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

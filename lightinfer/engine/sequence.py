@@ -30,8 +30,7 @@ class Sequence:
         num_computed_tokens: tokens whose K/V are in the cache (prefix-cache hits included).
         num_cached_tokens: prompt tokens served by the prefix cache at the first admission.
         block_table: KV block ids, in order.
-        pending_samples: how many tokens to sample when the prompt's prefill completes
-            (``n`` for a request's first sequence, which then forks; 1 otherwise).
+        block_hashes: chained hashes of its full blocks, filled by the BlockManager as needed.
     """
 
     def __init__(
@@ -49,12 +48,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
-        self.cumulative_logprob = 0.0
+        self.block_hashes: list[bytes] = []
         self.admitted = False  # admitted once: num_cached_tokens is fixed from then on
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -83,4 +78,5 @@ class Sequence:
         child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status
         child.admitted = self.admitted
+        child.block_hashes = list(self.block_hashes)  # same tokens so far: the same full blocks
         return child

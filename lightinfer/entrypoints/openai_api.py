@@ -1,215 +1,32 @@
-"""The OpenAI-compatible API: ``/models``, ``/chat/completions``, ``/completions`` (mounted at ``/v1``).
+"""The OpenAI-compatible API app: ``/models``, ``/chat/completions``, ``/completions`` (mounted at ``/v1``).
 
 A FastAPI sub-application, so its errors (validation included) come out in OpenAI's error JSON
-without touching the Gradio app beside it:
-
-    400 bad parameters / prompt longer than the context   401 missing or wrong API key
-    404 unknown model or path                             503 overloaded (``max_waiting``) or engine down
-
-Prompts are tokenized here (chat template included) with the front end's own copy of the
-tokenizer: the engine thread uses the engine's copy, and HF fast tokenizers are not safe to
-share between threads. A client that disconnects aborts its requests, freeing their KV blocks.
+(:mod:`openai_errors`) without touching the app around it. Each route checks the model, has
+:class:`OpenAIServing` prepare the engine requests (off the event loop), submits them, and
+answers with :mod:`openai_responses`. A client that disconnects aborts its requests, freeing
+their KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
-import json
 import logging
-import math
 import secrets
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lightinfer.engine.async_engine import (
-    AsyncLLMEngine,
-    EngineDeadError,
-    EngineOverloadedError,
-    RequestStream,
-)
+from lightinfer.engine.async_engine import AsyncLLMEngine
+from lightinfer.entrypoints import openai_responses as R
 from lightinfer.entrypoints import protocol as P
-from lightinfer.outputs import CompletionOutput, RequestOutput
-from lightinfer.sampling_params import SamplingParams
+from lightinfer.entrypoints.openai_errors import OpenAIError, error_response, validation_error_response
+from lightinfer.entrypoints.openai_serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
-
-
-class OpenAIError(Exception):
-    """An error to send as ``{"error": {...}}`` with HTTP ``status``."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.body = status, P.ErrorResponse(error=P.ErrorInfo(
-            message=message, type=type_, param=param, code=code))
-
-
-def _error_response(err: OpenAIError) -> JSONResponse:
-    return JSONResponse(err.body.model_dump(), status_code=err.status)
-
-
-def _as_openai_error(exc: Exception) -> OpenAIError:
-    """Map engine exceptions to statuses: ValueError 400, overloaded/dead 503, failed step 500."""
-    if isinstance(exc, OpenAIError):
-        return exc
-    if isinstance(exc, EngineOverloadedError):
-        return OpenAIError(503, str(exc), "server_overloaded", code="overloaded")
-    if isinstance(exc, EngineDeadError):
-        return OpenAIError(503, f"engine unavailable: {exc}", "server_error", code="engine_dead")
-    if isinstance(exc, ValueError):
-        return OpenAIError(400, str(exc))
-    return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
-
-
-class OpenAIServing:
-    """Turns API requests into engine requests and engine outputs into API responses."""
-
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str) -> None:
-        self.engine = engine
-        self.model_name = served_model_name
-        if engine.tokenizer is None:  # text in, text out: a tokenizer-less (dummy) engine cannot serve
-            raise ValueError("serving needs a tokenizer; this model has none (dummy weights from a bare config "
-                             "folder, or skip_tokenizer_init): add the tokenizer files to the folder")
-        self.tokenizer = copy.deepcopy(engine.tokenizer)
-        self.max_model_len = int(engine.model_info()["max_model_len"])
-
-    # ------------------------------------------------------------------ request -> engine
-    def check_model(self, model: str) -> None:
-        """Raise 404 unless ``model`` is the served model."""
-        if model != self.model_name:
-            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
-                                   f"`{self.model_name}`", param="model", code="model_not_found")
-
-    def sampling_params(self, req: P._SamplingRequest, prompt_len: int, max_tokens: int | None,
-                        logprobs: int | None, prompt_param: str = "messages") -> SamplingParams:
-        """Build and validate ``SamplingParams``; 400 when prompt + max_tokens exceed the context (naming
-        ``prompt_param``, the request field that holds the prompt)."""
-        room = self.max_model_len - prompt_len
-        if room <= 0 or (max_tokens is not None and max_tokens > room):
-            asked = f"; you requested {prompt_len + (max_tokens or 0)} tokens ({prompt_len} in the prompt, " \
-                    f"{max_tokens or 0} for the completion)"
-            raise OpenAIError(400, f"This model's maximum context length is {self.max_model_len} tokens"
-                                   f"{asked}. Shorten the prompt or lower max_tokens.",
-                              param=prompt_param, code="context_length_exceeded")
-        try:
-            return SamplingParams(
-                n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
-                min_p=req.min_p or 0.0, repetition_penalty=req.repetition_penalty or 1.0,
-                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                seed=req.seed, max_tokens=max_tokens or room, min_tokens=req.min_tokens, stop=req.stop,
-                stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs)
-        except ValueError as exc:
-            raise OpenAIError(400, str(exc)) from exc
-
-    def chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
-        """Apply the chat template; token ids of the prompt (400 if the template refuses)."""
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in req.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, tokenize=False)
-        except Exception as exc:  # jinja errors, e.g. roles the template does not allow
-            raise OpenAIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def completion_prompts(self, req: P.CompletionRequest) -> list[list[int]]:
-        """The ``prompt`` field (str, list of str, ids, list of ids) as lists of token ids."""
-        p = req.prompt
-        items: list[Any] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
-        if not items:
-            raise OpenAIError(400, "prompt must not be empty", param="prompt")
-        out = []
-        for item in items:
-            ids = self.tokenizer.encode(item) if isinstance(item, str) else list(item)
-            if not ids:
-                raise OpenAIError(400, "prompt must not be empty", param="prompt")
-            out.append(ids)
-        return out
-
-    async def submit(self, prompts: list[list[int]], params: SamplingParams) -> list[tuple[str, RequestStream]]:
-        """Submit every prompt; if one is refused, abort the ones already accepted and raise."""
-        accepted: list[tuple[str, RequestStream]] = []
-        try:
-            for ids in prompts:
-                rid = self.engine.new_request_id("api")
-                accepted.append((rid, await self.engine.add_request(rid, ids, params)))
-        except BaseException as exc:  # noqa: BLE001 -- cancellation too: abort what was accepted
-            for rid, _ in accepted:
-                self.engine.abort(rid)
-            raise _as_openai_error(exc) if isinstance(exc, Exception) else exc
-        return accepted
-
-    # ------------------------------------------------------------------ engine -> response
-    def _token_str(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    def chat_logprobs(self, comp: CompletionOutput, start: int, top: int) -> P.ChatLogprobs | None:
-        """OpenAI chat ``logprobs.content`` for tokens ``start:`` of ``comp``."""
-        if comp.logprobs is None:
-            return None
-        items = []
-        for tid, lps in zip(comp.token_ids[start:], comp.logprobs[start:]):
-            ranked = sorted(lps.items(), key=lambda kv: -kv[1])[:top]
-            tok = self._token_str(tid)
-            items.append(P.ChatTokenLogprob(
-                token=tok, logprob=lps.get(tid, -math.inf), bytes=list(tok.encode()),
-                top_logprobs=[P.TopLogprob(token=(t := self._token_str(i)), logprob=v, bytes=list(t.encode()))
-                              for i, v in ranked]))
-        return P.ChatLogprobs(content=items)
-
-    def completion_logprobs(self, comp: CompletionOutput, start: int, top: int,
-                            offset: int) -> P.CompletionLogprobs | None:
-        """Legacy completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset)."""
-        if comp.logprobs is None:
-            return None
-        out = P.CompletionLogprobs()
-        for tid, lps in zip(comp.token_ids[start:], comp.logprobs[start:]):
-            tok = self._token_str(tid)
-            out.tokens.append(tok)
-            out.token_logprobs.append(lps.get(tid, -math.inf))
-            out.top_logprobs.append({self._token_str(i): v for i, v in sorted(lps.items(), key=lambda kv: -kv[1])[:top]})
-            out.text_offset.append(offset)
-            offset += len(tok)
-        return out
-
-
-async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several requests' outputs as ``(prompt_index, output)`` in arrival order."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    q: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, s: RequestStream) -> None:
-        try:
-            async for out in s:
-                await q.put((i, out))
-            await q.put((i, None))
-        except Exception as exc:  # noqa: BLE001 -- re-raised in the reader
-            await q.put((i, exc))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            i, item = await q.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def run_until_disconnect(request: Request, work: Any, request_ids: list[str],
@@ -234,9 +51,54 @@ async def run_until_disconnect(request: Request, work: Any, request_ids: list[st
         watcher.cancel()
 
 
+def _register_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    engine = serving.engine
+
+    @app.get("/models", response_model=P.ModelList)
+    async def list_models() -> P.ModelList:
+        return P.ModelList(data=[P.ModelCard(id=serving.model_name, max_model_len=serving.max_model_len)])
+
+    @app.get("/models/{model_id:path}", response_model=P.ModelCard)
+    async def get_model(model_id: str) -> P.ModelCard:
+        serving.check_model(model_id)
+        return P.ModelCard(id=serving.model_name, max_model_len=serving.max_model_len)
+
+    @app.post("/chat/completions", response_model=None)
+    async def chat_completions(req: P.ChatCompletionRequest, raw: Request) -> Response:
+        serving.check_model(req.model)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        request = await serving.prepare_chat(req, top)
+        subs = await serving.submit([request])
+        logger.info("chat request %s: %d prompt tokens, n=%d, stream=%s", subs[0][0],
+                    len(request.prompt_token_ids), req.n, req.stream)
+        logger.debug("chat request %s messages: %r", subs[0][0], [(m.role, m.text()) for m in req.messages])
+        if req.stream:
+            return StreamingResponse(R.chat_stream(serving, req, subs, top), media_type="text/event-stream",
+                                     headers=_SSE_HEADERS)
+        return await run_until_disconnect(raw, R.chat_full(serving, subs, top), [r for r, _ in subs], engine)
+
+    @app.post("/completions", response_model=None)
+    async def completions(req: P.CompletionRequest, raw: Request) -> Response:
+        serving.check_model(req.model)
+        requests, echo = await serving.prepare_completion(req)
+        subs = await serving.submit(requests)
+        logger.info("completion request %s: %d prompt(s), n=%d, stream=%s", subs[0][0], len(requests), req.n,
+                    req.stream)
+        logger.debug("completion request %s prompt: %r", subs[0][0], req.prompt)
+        top = req.logprobs
+        if req.stream:
+            return StreamingResponse(R.completion_stream(serving, req, subs, top, echo),
+                                     media_type="text/event-stream", headers=_SSE_HEADERS)
+        return await run_until_disconnect(raw, R.completion_full(serving, req, subs, top, echo),
+                                          [r for r, _ in subs], engine)
+
+
 def create_openai_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
-    """The ``/v1`` sub-application. ``api_key``: when set, every route needs ``Authorization: Bearer <key>``."""
-    from lightinfer.entrypoints.openai_routes import register_routes  # routes live there (file size)
+    """The ``/v1`` sub-application. ``api_key``: when set, every route needs ``Authorization: Bearer <key>``.
+
+    Raises:
+        ValueError: the engine has no tokenizer (see :class:`OpenAIServing`).
+    """
 
     async def verify_key(request: Request) -> None:
         if api_key is None:
@@ -246,46 +108,22 @@ def create_openai_app(engine: AsyncLLMEngine, served_model_name: str, api_key: s
             raise OpenAIError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>'",
                               code="invalid_api_key")
 
+    serving = OpenAIServing(engine, served_model_name)
     app = FastAPI(title="lightinfer OpenAI-compatible API", dependencies=[Depends(verify_key)],
                   docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return _error_response(exc)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        raw = first.get("input")
-        if isinstance(raw, (bytes, str)) and not loc:  # no JSON Content-Type: FastAPI left the body unparsed
-            try:
-                json.loads(raw)
-            except ValueError as e:
-                first = {"type": "json_invalid", "ctx": {"error": str(e)}}
-            else:
-                return _error_response(OpenAIError(400, "send the JSON body with Content-Type: application/json"))
-        if first.get("type") == "json_invalid":  # the body itself, not one of its fields
-            detail = (first.get("ctx") or {}).get("error") or first.get("msg", "")
-            return _error_response(OpenAIError(400, f"the request body is not valid JSON ({detail}); send a JSON "
-                                                    "object with Content-Type: application/json"))
-        if not loc:  # valid JSON, but not an object (a list, a number), or no body at all
-            if raw is None:
-                return _error_response(OpenAIError(400, "the request has no body; send a JSON object with "
-                                                        "Content-Type: application/json"))
-            kind = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(raw),
-                                                                                                    type(raw).__name__)
-            return _error_response(OpenAIError(400, f"the request body must be a JSON object, got a JSON {kind}"))
-        msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: "
-                        f"{str(e.get('msg', '')).removeprefix('Value error, ')}"  # pydantic's prefix to our checks
-                        for e in exc.errors()[:5])
-        return _error_response(OpenAIError(400, msg or "invalid request", param=loc or None))
+        return validation_error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error_response(OpenAIError(exc.status_code, str(exc.detail), kind))
+        return error_response(OpenAIError(exc.status_code, str(exc.detail), kind))
 
-    register_routes(app, OpenAIServing(engine, served_model_name))
+    _register_routes(app, serving)
     return app
-

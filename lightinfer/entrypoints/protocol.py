@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from lightinfer.engine.detokenizer import check_text
+from lightinfer.inputs import check_text
 
 
 def random_id(prefix: str) -> str:

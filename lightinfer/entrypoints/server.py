@@ -1,8 +1,9 @@
-"""One FastAPI app: the Gradio chat UI at ``/``, the OpenAI API at ``/v1``, ``/health``, ``/metrics``.
+"""The HTTP server's app: the OpenAI API at ``/v1``, ``/health``, ``/metrics``, ``/stats``.
 
-Everything shares one ``AsyncLLMEngine`` (one engine loop, one continuous batch). Security
-defaults: bind 127.0.0.1; ``api_key`` guards ``/v1`` (Bearer); ``ui_auth`` guards the UI (Gradio's
-login); request bodies are capped; prompts and replies are logged only at DEBUG level.
+Everything shares one ``AsyncLLMEngine`` (one engine loop, one continuous batch). The chat UI is
+mounted at ``/`` by the layer above (``lightinfer.webui.server.build_app``), so the API never
+depends on the UI. Security defaults: bind 127.0.0.1; ``api_key`` guards ``/v1`` (Bearer);
+request bodies are capped; prompts and replies are logged only at DEBUG level.
 """
 
 from __future__ import annotations
@@ -72,26 +73,24 @@ class _BodyTooLarge(Exception):
     pass
 
 
-def build_app(
+def build_api_app(
     engine: AsyncLLMEngine,
     *,
     served_model_name: str | None = None,
     api_key: str | None = None,
-    ui_auth: tuple[str, str] | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-    enable_ui: bool = True,
-    ui_max_queue: int | None = None,
 ) -> FastAPI:
-    """Assemble the server; the engine loop starts and stops with the app's lifespan.
+    """Assemble the API server; the engine loop starts and stops with the app's lifespan.
 
     Args:
         engine: the shared async engine (not yet started is fine).
         served_model_name: the ``model`` name the API answers to; default ``model_info()["model"]``.
         api_key: when set, ``/v1`` needs ``Authorization: Bearer <api_key>`` (else 401).
-        ui_auth: ``(user, password)`` for the Gradio UI's login page.
-        max_request_bytes: larger request bodies get 413.
-        enable_ui: mount the Gradio UI at ``/``.
-        ui_max_queue: Gradio's queue bound (default ``max_waiting``).
+        max_request_bytes: larger request bodies (to any route, a UI mounted later included) get 413.
+    Returns:
+        the app; more routes or mounts (the UI at ``/``) may be added before it starts.
+    Raises:
+        ValueError: the engine has no tokenizer.
     """
     metrics = ServingMetrics(engine)
     name = served_model_name or str(engine.model_info()["model"])
@@ -123,16 +122,8 @@ def build_app(
         """The engine's stats snapshot as JSON (for tests and dashboards)."""
         return Response(json.dumps(vars(engine.get_stats())), media_type="application/json")
 
-    # Routes above and /v1 are matched before the catch-all Gradio mount at "/".
+    # Routes above and /v1 are matched before a catch-all mount at "/" added later (the chat UI).
     app.mount("/v1", create_openai_app(engine, name, api_key))
-    if enable_ui:
-        import gradio as gr
-
-        from lightinfer.webui.app import build_ui
-
-        blocks = build_ui(engine, max_queue=ui_max_queue or engine.max_waiting)
-        gr.mount_gradio_app(app, blocks, path="/", auth=ui_auth, ssr_mode=False, footer_links=["api"],
-                            run_history=False, show_error=True)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
     return app
 

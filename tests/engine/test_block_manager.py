@@ -44,17 +44,14 @@ def test_random_operations_keep_invariants(operations: list[tuple[str, int, int]
         if op == "add":
             # few distinct prompts so that prefix hits happen
             seq = Sequence("r", [pick % 3] * size + list(range(pick % 2)), SamplingParams())
-            if bm.can_allocate(seq):
-                bm.allocate(seq)
+            if bm.allocate_slots(seq, seq.num_tokens):
                 assert seq.num_computed_tokens < seq.num_tokens
                 live.append(seq)
         elif live:
             seq = live[pick % len(live)]
             if op == "append":
                 seq.token_ids.append(pick % 5)
-                if bm.can_append(seq):
-                    bm.append_slot(seq)
-                else:
+                if not bm.allocate_slots(seq, seq.num_tokens - seq.num_computed_tokens):
                     seq.token_ids.pop()
             elif op == "compute":
                 seq.num_computed_tokens = seq.num_tokens
@@ -75,17 +72,17 @@ def test_random_operations_keep_invariants(operations: list[tuple[str, int, int]
 def test_prefix_hit_token_check_and_lru_reuse() -> None:
     bm = BlockManager(num_blocks=6, block_size=BS)
     a = Sequence("a", list(range(10)), SamplingParams())
-    bm.allocate(a)
+    bm.allocate_slots(a, a.num_tokens)
     a.num_computed_tokens = 10
     bm.register_computed_blocks(a)
     bm.free(a)
     b = Sequence("b", list(range(9)) + [99], SamplingParams())
-    bm.allocate(b)  # two full blocks shared with a's prompt
+    bm.allocate_slots(b, b.num_tokens)  # two full blocks shared with a's prompt
     assert b.num_cached_tokens == 8 and b.block_table[:2] == a_blocks_expected(bm, list(range(8)))
     # a corrupted cached block fails the token check: no hit
     bm.blocks[b.block_table[0]].token_ids = [7, 7, 7, 7]
     c = Sequence("c", list(range(10)), SamplingParams())
-    bm.allocate(c)
+    bm.allocate_slots(c, c.num_tokens)
     assert c.num_cached_tokens == 0
 
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightinfer.kernels.reference import dequantize_w4
 
 from lightinfer import LLM, SamplingParams
 from lightinfer.dummy_weights import DUMMY_STD, dummy_awq_config, init_dummy_weights
+from lightinfer.kernels.reference import dequantize_w4
 from lightinfer.layers.linear import Linear, W4A16Linear
 from tests.conftest import write_tiny_checkpoint
 
@@ -114,9 +114,8 @@ def test_awq_group_size_choice() -> None:
 @pytest.mark.parametrize("name", ["llama-2-7b", "llama-3-8b", "mistral-7b", "qwen2.5-7b"])
 def test_bench_configs_build_as_4bit_models(name: str) -> None:
     """Every shipped config builds (on the meta device) with 4-bit layers of group size 128."""
-    from lightinfer.models.registry import get_model_class
-
     from lightinfer.loader import Checkpoint
+    from lightinfer.models.registry import get_model_class
 
     ckpt = Checkpoint(str(BENCH_CONFIGS / name), read_weights=False)
     assert not ckpt.has_tokenizer

@@ -210,3 +210,22 @@ def test_python_api_bad_arguments_are_clear(tiny, call, needle: str) -> None:
     with pytest.raises(ValueError, match=re.escape(needle)):
         call(llm)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_each_prompt_is_tokenized_once(tiny, monkeypatch) -> None:
+    """LLM.generate checks and tokenizes every prompt before queueing any; the engine takes the result as it
+    is (it used to encode the prompt a second time in add_request)."""
+    llm = LLM(str(tiny), num_kv_blocks=64)
+    tok = llm.tokenizer
+    calls = []
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda *a, **k: calls.append(a[0]) or encode(*a, **k))
+    outs = llm.generate(["hello", "world"], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert calls == ["hello", "world"] and [o.prompt for o in outs] == ["hello", "world"]
+    request = llm.input_processor.process("hello", SamplingParams(max_tokens=2))
+    calls.clear()
+    llm.llm_engine.add_request("prepared", request)
+    assert calls == [] and llm.llm_engine.requests["prepared"].prompt_token_ids == request.prompt_token_ids
+    with pytest.raises(ValueError, match="carries its own sampling_params"):
+        llm.llm_engine.add_request("other", request, SamplingParams())
+    llm.llm_engine.abort_request("prepared")

@@ -47,10 +47,9 @@ class _CountingLaunch:
 @pytest.mark.parametrize("arch,kv_cache_dtype", [("llama", "int8"), ("llama", "auto"), ("qwen2", "int8")])
 def test_triton_path_matches_torch_cpu_path(tmp_path_factory: pytest.TempPathFactory, arch: str, kv_cache_dtype: str,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightinfer import LLM, SamplingParams
     from lightinfer.kernels import SplitKPartials, get_backend
     from lightinfer.kernels import w4a16_gemm as wg
-
-    from lightinfer import LLM, SamplingParams
     from lightinfer.layers.ops import triton_on_cpu
 
     # Count what the Triton path calls, to be sure it is the one that ran.

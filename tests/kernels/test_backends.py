@@ -6,8 +6,8 @@ import inspect
 
 import pytest
 import torch
-from lightinfer.kernels import BACKEND_NAMES, OP_NAMES, get_backend, switches
 
+from lightinfer.kernels import BACKEND_NAMES, OP_NAMES, get_backend, switches
 from lightinfer.layers import ops
 
 

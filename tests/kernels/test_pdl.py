@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from lightinfer.kernels import pdl, switches
 
 

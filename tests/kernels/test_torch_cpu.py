@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from lightinfer.kernels import PagedKV, SplitKPartials, torch_cpu
 from lightinfer.kernels import reference as ref
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from lightinfer.kernels import norm_rope as nr
 from lightinfer.kernels import reference as ref
 

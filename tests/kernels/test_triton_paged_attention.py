@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from lightinfer.kernels import PagedKV
 from lightinfer.kernels import reference as ref
 from lightinfer.kernels.attention_plan import (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from lightinfer.kernels import PagedKV, SplitKPartials
 from lightinfer.kernels import reference as ref
 from lightinfer.kernels.rope_store import rope_store_kvcache

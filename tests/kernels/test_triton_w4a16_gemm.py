@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from lightinfer.kernels import reference as ref
 from lightinfer.kernels import switches
 from lightinfer.kernels import w4a16_gemm as wg

@@ -12,6 +12,7 @@ import re
 
 import numpy as np
 import pytest
+
 from lightinfer.kernels.w4_decode import F16_PAIR_DECODE_PTX
 
 MASK32 = 0xFFFFFFFF

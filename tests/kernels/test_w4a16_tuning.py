@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from lightinfer.kernels import reference as ref
 from lightinfer.kernels import switches
 from lightinfer.kernels import w4a16_gemm as wg

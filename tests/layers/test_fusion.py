@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightinfer.kernels import SplitKPartials
 from torch import nn
 
+from lightinfer.kernels import SplitKPartials
 from lightinfer.layers.activation import SiluAndMul
 from lightinfer.layers.fusion import RESIDUAL, Feeds, Fuse, FusionPlan, fuse_model, materialize
 from lightinfer.layers.linear import Linear, W4A16Linear

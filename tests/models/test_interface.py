@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+
 from lightinfer.models.base import CausalLM
 from lightinfer.models.llama import head_dim_of
 from lightinfer.models.registry import MODEL_REGISTRY, get_model_class, quantizable_architectures

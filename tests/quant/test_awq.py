@@ -7,13 +7,13 @@ import copy
 
 import pytest
 import torch
+from transformers import LlamaConfig
+
+from lightinfer.layers.attention import no_cache_context
 from lightinfer.models.llama import LlamaForCausalLM
 from lightinfer.models.registry import get_model_class
 from lightinfer.quant.awq import InputStats, quantize_layer, search_scales
 from lightinfer.quant.primitives import dequantize, fake_quantize
-from transformers import LlamaConfig
-
-from lightinfer.layers.attention import no_cache_context
 
 
 def _layer(num_kv_heads: int, arch: str = "LlamaForCausalLM", seed: int = 0) -> tuple[torch.nn.Module, object]:

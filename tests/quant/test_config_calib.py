@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+
 from lightinfer.quant.calib import builtin_split, calibration_samples, read_text_file
 from lightinfer.quant.config import QuantConfig
-
 from tests.conftest import requires_smollm2
 
 SMOL_LAYERS = {"q_proj": 576, "k_proj": 576, "v_proj": 576, "o_proj": 576, "gate_proj": 576, "up_proj": 576,

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from lightinfer.kernels.reference import dequantize_w4, repack_awq_to_runtime
 from lightinfer.quant.primitives import (
     dequantize,

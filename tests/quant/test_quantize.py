@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightinfer.quant.api import quantize
-from lightinfer.quant.config import QuantConfig
 from safetensors import safe_open
 
 from lightinfer.cli import main as cli_main
+from lightinfer.quant.api import quantize
+from lightinfer.quant.config import QuantConfig
 from tests.conftest import SMOLLM2, requires_smollm2, write_tiny_checkpoint
 
 FAST = {"num_samples": 4, "seq_len": 64}
@@ -24,10 +24,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
-    from lightinfer.models.registry import get_model_class
-
     from lightinfer.layers.attention import no_cache_context
     from lightinfer.loader import Checkpoint, load_weights
+    from lightinfer.models.registry import get_model_class
 
     ck = Checkpoint(str(path))
     model = get_model_class(ck.hf_config)(ck.hf_config, ck.quant_config, torch.float32)

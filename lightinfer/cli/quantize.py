@@ -1,6 +1,6 @@
 """The ``lightinfer quantize`` and ``lightinfer eval-ppl`` subcommands.
 
-``lightinfer/cli.py`` calls :func:`register` with its argparse subparsers; each subcommand
+``lightinfer.cli`` calls :func:`register` with its argparse subparsers; each subcommand
 sets ``func`` (``args -> exit code``). Bad input is reported as one ``error:`` line on stderr
 with exit code 2 (no traceback); an interrupt exits with 130 after the partial output has
 been removed.
@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import Any
+
+from lightinfer.cli.common import add_parser
 
 
 def _fail(cmd: str, e: BaseException) -> int:
@@ -72,32 +74,38 @@ def _int_arg(value: str) -> int:
 
 def register(subparsers: Any) -> None:
     """Add ``quantize`` and ``eval-ppl`` to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
-    q = subparsers.add_parser(
-        "quantize", help="quantize a model to AWQ W4A16 (AutoAWQ gemm format)",
-        description="Quantize a model to 4-bit weights (AWQ or RTN) and write an AutoAWQ-format checkpoint.",
+    q = add_parser(
+        subparsers, "quantize", "quantize a model to AWQ W4A16 (AutoAWQ gemm format)",
+        "Quantize a model to 4-bit weights (AWQ or RTN) and write an AutoAWQ-format checkpoint.",
     )
     q.add_argument("src", help="Hugging Face folder, .gguf file or smollm2-135m-instruct")
-    q.add_argument("--out", required=True, help="output folder (must be empty or absent unless --force)")
-    q.add_argument("--method", default="awq", choices=["awq", "rtn"], help="awq (default) or rtn")
+    q.add_argument("--out", required=True, help="output folder, must be empty or absent unless --force (required, no default)")
+    q.add_argument("--method", default="awq", choices=["awq", "rtn"],
+                   help="awq (activation-aware scales and clipping) or rtn (round to nearest)")
     q.add_argument("--w-bit", type=_int_arg, default=4, help="weight bits (only 4)")
-    q.add_argument("--group-size", default="auto", help="auto (default), 128, 64 or 32")
-    q.add_argument("--calib", default=None, help=".txt or .jsonl (field 'text'); default: built-in Python docs prose")
-    q.add_argument("--num-samples", type=_int_arg, default=16, help="calibration sequences (default 16)")
-    q.add_argument("--seq-len", type=_int_arg, default=512, help="tokens per calibration sequence (default 512)")
-    q.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    q.add_argument("--group-size", default="auto",
+                   help="auto, 128, 64 or 32 (auto: the largest that divides every quantized layer's input)")
+    q.add_argument("--calib", default=None,
+                   help=".txt or .jsonl (field 'text') calibration text (default: built-in Python docs prose)")
+    q.add_argument("--num-samples", type=_int_arg, default=16, help="calibration sequences")
+    q.add_argument("--seq-len", type=_int_arg, default=512, help="tokens per calibration sequence")
+    q.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when there is a GPU)")
     q.add_argument("--force", action="store_true", help="replace a non-empty --out")
     q.add_argument("--quiet", action="store_true", help="no progress bar")
     q.set_defaults(func=run_quantize)
 
-    e = subparsers.add_parser(
-        "eval-ppl", help="perplexity on held-out text through the engine",
-        description="Perplexity over non-overlapping windows, computed by the engine's own forward path.",
+    e = add_parser(
+        subparsers, "eval-ppl", "perplexity on held-out text through the engine",
+        "Perplexity over non-overlapping windows, computed by the engine's own forward path.",
     )
     e.add_argument("model", help="Hugging Face folder (quantized or not), .gguf file or smollm2-135m-instruct")
-    e.add_argument("--text", default=None, help=".txt or .jsonl (field 'text'); default: built-in held-out text")
-    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
-    e.add_argument("--max-tokens", type=_int_arg, default=None, help="score at most N tokens of the text")
-    e.add_argument("--window", type=_int_arg, default=1024, help="tokens per window (default 1024)")
-    e.add_argument("--device", default=None)
-    e.add_argument("--dtype", default=None)
+    e.add_argument("--text", default=None,
+                   help=".txt or .jsonl (field 'text') to score (default: built-in held-out text)")
+    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="KV cache storage: auto (the model's dtype) or int8")
+    e.add_argument("--max-tokens", type=_int_arg, default=None,
+                   help="score at most N tokens of the text (default: all of it)")
+    e.add_argument("--window", type=_int_arg, default=1024, help="tokens per window")
+    e.add_argument("--device", default=None, help="auto, cpu or cuda (default: auto)")
+    e.add_argument("--dtype", default=None, help="auto, float32, float16 or bfloat16 (default: auto)")
     e.set_defaults(func=run_eval_ppl)

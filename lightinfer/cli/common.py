@@ -1,0 +1,61 @@
+"""What every ``lightinfer`` subcommand shares: the help format and the engine's flags."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default: "(default: X)" is added unless the text already says
+    what the default is (for defaults that are computed, e.g. "default: automatic")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        return super()._get_help_string(action)
+
+
+def add_parser(subparsers: Any, name: str, summary: str, description: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand with a one-line ``summary`` (shown in ``lightinfer --help``) and the default-showing help."""
+    return subparsers.add_parser(name, help=summary, description=description or summary,
+                                 formatter_class=HelpFormatter)
+
+
+def add_engine_args(p: argparse.ArgumentParser, kv_cache_dtype: str = "auto") -> None:
+    """The :class:`lightinfer.config.EngineConfig` flags every command that starts an engine takes."""
+    p.add_argument("--dtype", default="auto",
+                   help="weights and activations: auto, float32, float16 or bfloat16 (auto: float32 on CPU, "
+                        "bfloat16 or float16 on GPUs)")
+    p.add_argument("--device", default="auto", help="auto (cuda when there is a GPU), cpu, cuda or cuda:N")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's, at most 8192)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default=kv_cache_dtype,
+                   help="KV cache storage: auto (the model's dtype) or int8 (per-token scales; a fraction of the memory)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one engine step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU's memory the engine may plan with")
+    p.add_argument("--max-vram", default=None,
+                   help="cap on GPU memory, e.g. 8GiB, to plan as on a smaller card (default: no cap)")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="KV pool size, e.g. 512MiB (default: automatic; 512MiB on CPU)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse the KV blocks of shared prompt prefixes")
+    p.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig fields from the flags of :func:`add_engine_args` (and generate's --dummy-weights and
+    --quantization, where present)."""
+    return {
+        "dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
+        "kv_cache_dtype": args.kv_cache_dtype, "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "gpu_memory_utilization": args.gpu_memory_utilization, "max_vram": args.max_vram,
+        "kv_cache_memory_bytes": args.kv_cache_memory, "enable_prefix_caching": not args.no_prefix_caching,
+        "enforce_eager": args.enforce_eager,
+        "load_format": "dummy" if getattr(args, "dummy_weights", False) else "auto",
+        "quantization": getattr(args, "quantization", None),
+    }

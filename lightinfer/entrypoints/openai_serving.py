@@ -1,0 +1,172 @@
+"""Requests of the OpenAI-compatible API -> engine requests, and token ids -> OpenAI's logprobs.
+
+Prompts are prepared (chat template, tokenizing, checks: :mod:`lightinfer.inputs`) on one worker
+thread with its own copy of the tokenizer, so a big request never blocks the event loop that
+streams everyone's tokens; the event loop keeps another copy for turning sampled ids into
+token strings. HF fast tokenizers are not safe to share between threads, hence the two copies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from lightinfer.engine.async_engine import AsyncLLMEngine, RequestStream
+from lightinfer.entrypoints import protocol as P
+from lightinfer.entrypoints.openai_errors import OpenAIError, as_openai_error
+from lightinfer.inputs import EngineRequest, InputError
+from lightinfer.outputs import CompletionOutput
+from lightinfer.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+class OpenAIServing:
+    """Turns API requests into engine requests and engine outputs into API logprobs.
+
+    Args:
+        engine: the shared async engine.
+        served_model_name: the ``model`` the API answers to.
+    Raises:
+        ValueError: the engine has no tokenizer (text in, text out needs one).
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        if engine.tokenizer is None:  # text in, text out: a tokenizer-less (dummy) engine cannot serve
+            raise ValueError("serving needs a tokenizer; this model has none (dummy weights from a bare config "
+                             "folder, or skip_tokenizer_init): add the tokenizer files to the folder")
+        self.inputs = engine.input_processor.copy()  # used on the preparation thread only
+        self.tokenizer = copy.deepcopy(engine.tokenizer)  # used on the event loop only
+        self.max_model_len = self.inputs.max_model_len
+        self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightinfer-inputs")
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on the preparation thread; its exceptions come back here."""
+        return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
+
+    # ------------------------------------------------------------------ request -> engine
+    def check_model(self, model: str) -> None:
+        """Raise 404 unless ``model`` is the served model."""
+        if model != self.model_name:
+            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
+                                   f"`{self.model_name}`", param="model", code="model_not_found")
+
+    def sampling_params(self, req: P._SamplingRequest, prompt_len: int, max_tokens: int | None,
+                        logprobs: int | None, prompt_param: str = "messages") -> SamplingParams:
+        """Build and validate ``SamplingParams``; 400 when prompt + max_tokens exceed the context (naming
+        ``prompt_param``, the request field that holds the prompt)."""
+        try:
+            room = self.inputs.check_context(prompt_len, max_tokens, prompt_param)
+            return SamplingParams(
+                n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
+                min_p=req.min_p or 0.0, repetition_penalty=req.repetition_penalty or 1.0,
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                seed=req.seed, max_tokens=max_tokens or room, min_tokens=req.min_tokens, stop=req.stop,
+                stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs)
+        except ValueError as exc:
+            raise as_openai_error(exc) from exc
+
+    def _chat_request(self, req: P.ChatCompletionRequest, top: int | None) -> EngineRequest:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            prompt = self.inputs.render_chat(messages, add_generation_prompt=req.add_generation_prompt)
+        except InputError as exc:
+            raise as_openai_error(exc) from exc
+        except ValueError as exc:  # e.g. a model without a chat template
+            raise OpenAIError(400, str(exc), param="messages") from exc
+        params = self.sampling_params(req, len(prompt.prompt_token_ids), req.max_completion_tokens or req.max_tokens,
+                                      top)
+        return self._process(prompt, params)
+
+    async def prepare_chat(self, req: P.ChatCompletionRequest, top: int | None) -> EngineRequest:
+        """The chat's engine request (template, tokens, settings), prepared off the event loop.
+
+        Raises:
+            OpenAIError: 400 naming the field (a template that refuses the messages, a prompt longer than
+                the context, a bad setting).
+        """
+        return await self._off_loop(self._chat_request, req, top)
+
+    def _completion_requests(self, req: P.CompletionRequest) -> tuple[list[EngineRequest], list[str]]:
+        p = req.prompt
+        items: list[Any] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not items or any(not item for item in items):
+            raise OpenAIError(400, "prompt must not be empty", param="prompt")
+        try:
+            prompts = [self.inputs.tokenize(item) for item in items]
+        except ValueError as exc:
+            raise as_openai_error(exc) from exc
+        params = self.sampling_params(req, max(len(t.prompt_token_ids) for t in prompts), req.max_tokens,
+                                      req.logprobs, "prompt")
+        requests = [self._process(t, params) for t in prompts]
+        echo = [self.inputs.tokenizer.decode(t.prompt_token_ids) if req.echo else "" for t in prompts]
+        return requests, echo
+
+    async def prepare_completion(self, req: P.CompletionRequest) -> tuple[list[EngineRequest], list[str]]:
+        """One engine request per prompt of ``prompt`` (a string, strings, ids or lists of ids), and the
+        text each response starts with (the prompt when ``echo``), prepared off the event loop.
+
+        Raises:
+            OpenAIError: 400 naming the field.
+        """
+        return await self._off_loop(self._completion_requests, req)
+
+    def _process(self, prompt: Any, params: SamplingParams) -> EngineRequest:
+        try:
+            return self.inputs.process(prompt, params)
+        except ValueError as exc:
+            raise as_openai_error(exc) from exc
+
+    async def submit(self, requests: list[EngineRequest]) -> list[tuple[str, RequestStream]]:
+        """Submit every request; if one is refused, abort the ones already accepted and raise."""
+        accepted: list[tuple[str, RequestStream]] = []
+        try:
+            for request in requests:
+                rid = self.engine.new_request_id("api")
+                accepted.append((rid, await self.engine.add_request(rid, request)))
+        except BaseException as exc:  # noqa: BLE001 -- cancellation too: abort what was accepted
+            for rid, _ in accepted:
+                self.engine.abort(rid)
+            raise as_openai_error(exc) if isinstance(exc, Exception) else exc
+        return accepted
+
+    # ------------------------------------------------------------------ engine -> response
+    def token_str(self, token_id: int) -> str:
+        """The text of one token (event loop only)."""
+        return self.tokenizer.decode([token_id])
+
+    def chat_logprobs(self, comp: CompletionOutput, start: int, top: int) -> P.ChatLogprobs | None:
+        """OpenAI chat ``logprobs.content`` for tokens ``start:`` of ``comp``."""
+        if comp.logprobs is None:
+            return None
+        items = []
+        for tid, lps in zip(comp.token_ids[start:], comp.logprobs[start:]):
+            ranked = sorted(lps.items(), key=lambda kv: -kv[1])[:top]
+            tok = self.token_str(tid)
+            items.append(P.ChatTokenLogprob(
+                token=tok, logprob=lps.get(tid, -math.inf), bytes=list(tok.encode()),
+                top_logprobs=[P.TopLogprob(token=(t := self.token_str(i)), logprob=v, bytes=list(t.encode()))
+                              for i, v in ranked]))
+        return P.ChatLogprobs(content=items)
+
+    def completion_logprobs(self, comp: CompletionOutput, start: int, top: int,
+                            offset: int) -> P.CompletionLogprobs | None:
+        """Legacy completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset)."""
+        if comp.logprobs is None:
+            return None
+        out = P.CompletionLogprobs()
+        for tid, lps in zip(comp.token_ids[start:], comp.logprobs[start:]):
+            tok = self.token_str(tid)
+            out.tokens.append(tok)
+            out.token_logprobs.append(lps.get(tid, -math.inf))
+            out.top_logprobs.append({self.token_str(i): v for i, v in sorted(lps.items(), key=lambda kv: -kv[1])[:top]})
+            out.text_offset.append(offset)
+            offset += len(tok)
+        return out

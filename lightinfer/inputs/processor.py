@@ -1,0 +1,156 @@
+"""InputProcessor: prompts, chat messages and settings -> :class:`EngineRequest`, checked once.
+
+Every front end goes through it (``LLM``, the OpenAI API, the chat UI, the CLI) and the engine
+takes its result without looking again; ``LLMEngine.add_request`` given a plain prompt runs it
+itself. One processor holds one tokenizer: Hugging Face fast tokenizers are not safe to share
+between threads, so a front end working on another thread takes :meth:`InputProcessor.copy`.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from lightinfer.inputs.chat import Message, render_chat
+from lightinfer.inputs.data import EngineRequest, InputError, PromptType, TokenizedPrompt
+from lightinfer.inputs.text import check_text
+from lightinfer.sampling_params import SamplingParams
+
+
+class InputProcessor:
+    """Tokenizes and checks requests for one engine.
+
+    Args:
+        tokenizer: the model's tokenizer, or None (an engine that takes and returns token ids only).
+        vocab_size: the model's vocabulary size (ids must be below it).
+        max_model_len: the context length in tokens (a prompt must leave room for one new token).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+        self.max_model_len = int(max_model_len)
+
+    def copy(self) -> InputProcessor:
+        """A processor with its own copy of the tokenizer, for use on another thread."""
+        return InputProcessor(copy.deepcopy(self.tokenizer), self.vocab_size, self.max_model_len)
+
+    # ------------------------------------------------------------------ prompts
+    def tokenize(self, prompt: PromptType) -> TokenizedPrompt:
+        """Text and ids of ``prompt``: text is encoded (with the tokenizer's special tokens, e.g. BOS),
+        ids are decoded for the text, a :class:`TokenizedPrompt` is taken as it is; the ids are checked
+        against the vocabulary (the length against the context is :meth:`process`'s check).
+
+        Also takes vLLM's prompt dicts: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``.
+
+        Raises:
+            ValueError: empty prompt, text that is not valid Unicode, ids outside the vocabulary, a dict
+                without either key, or another type.
+        """
+        if isinstance(prompt, TokenizedPrompt):
+            self._check_ids(prompt.prompt_token_ids)
+            return prompt
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"a dict prompt needs 'prompt' (text) or 'prompt_token_ids' (a list of ids), "
+                                 f"got keys {sorted(prompt)}")
+        if not isinstance(prompt, (str, list, tuple)):
+            raise ValueError(  # noqa: TRY004 - every bad input is a ValueError here
+                f"a prompt is a string, a list of token ids or a {{'prompt': ...}} / "
+                f"{{'prompt_token_ids': ...}} dict, got {type(prompt).__name__}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty; give at least one character or token id")
+            check_text(prompt, "the prompt")
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer (skip_tokenizer_init, or dummy weights from a config "
+                                 "folder without tokenizer files): give prompts as token-id lists")
+            return TokenizedPrompt(prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True)))
+        ids = list(prompt)
+        self._check_ids(ids)
+        return TokenizedPrompt(self.tokenizer.decode(ids) if self.tokenizer is not None else "", ids)
+
+    def render_chat(self, messages: list[Message], *, add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> TokenizedPrompt:
+        """The conversation through the chat template (see :func:`lightinfer.inputs.chat.render_chat`);
+        its length is checked where it is used (:meth:`process`, :meth:`check_context`)."""
+        return render_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                           chat_template_kwargs=chat_template_kwargs)
+
+    def _check_ids(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one character or token id")
+        if all(isinstance(t, int) for t in ids) and 0 <= min(ids) and max(ids) < self.vocab_size:
+            return  # the common case, without a Python loop over the ids
+        bad = next(t for t in ids if not isinstance(t, int) or not (0 <= t < self.vocab_size))
+        raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+
+    def check_length(self, prompt: TokenizedPrompt) -> TokenizedPrompt:
+        """``prompt`` if it leaves room for one new token within ``max_model_len``.
+
+        Raises:
+            InputError: code ``context_length_exceeded``.
+        """
+        n = len(prompt.prompt_token_ids)
+        if n >= self.max_model_len:
+            raise InputError(f"the prompt has {n} tokens but max_model_len is {self.max_model_len}: shorten it "
+                             f"(or raise max_model_len) so that at least one token can be generated",
+                             param="prompt", code="context_length_exceeded")
+        return prompt
+
+    def check_context(self, prompt_len: int, max_tokens: int | None, param: str = "prompt") -> int:
+        """Room for the completion, as OpenAI's API counts it: the prompt plus ``max_tokens`` must fit.
+
+        Args:
+            prompt_len: prompt tokens.
+            max_tokens: the completion's wished length (None: as long as fits).
+            param: the request field that holds the prompt, named in the error.
+        Returns:
+            the tokens left for the completion (> 0).
+        Raises:
+            InputError: code ``context_length_exceeded``, naming ``param``.
+        """
+        room = self.max_model_len - prompt_len
+        if room <= 0 or (max_tokens is not None and max_tokens > room):
+            asked = f"; you requested {prompt_len + (max_tokens or 0)} tokens ({prompt_len} in the prompt, " \
+                    f"{max_tokens or 0} for the completion)"
+            raise InputError(f"This model's maximum context length is {self.max_model_len} tokens{asked}. Shorten "
+                             f"the prompt or lower max_tokens.", param=param, code="context_length_exceeded")
+        return room
+
+    # ------------------------------------------------------------------ settings
+    def check_params(self, params: SamplingParams) -> SamplingParams:
+        """``params`` validated, and checked against this engine (tokenizer, vocabulary).
+
+        Raises:
+            ValueError: not a SamplingParams, a bad value, stop strings without a tokenizer, or stop token ids
+                outside the vocabulary.
+        """
+        if not isinstance(params, SamplingParams):
+            raise ValueError(  # noqa: TRY004 - every bad input is a ValueError here
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}; "
+                f"e.g. SamplingParams(max_tokens=64)")
+        params.validate()  # fields may have been changed since construction
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer and this engine has none; use stop_token_ids")
+        too_big = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if too_big:  # they index the logits row (banned before min_tokens): out of range on the GPU is fatal
+            raise ValueError(f"stop_token_ids {too_big} are outside the vocabulary (ids 0..{self.vocab_size - 1})")
+        return params
+
+    # ------------------------------------------------------------------ requests
+    def process(self, prompt: PromptType, params: SamplingParams) -> EngineRequest:
+        """One engine-ready request: settings checked (:meth:`check_params`), then the prompt
+        tokenized and checked (:meth:`tokenize`, :meth:`check_length`).
+
+        Raises:
+            ValueError: see those; nothing is queued anywhere.
+        """
+        self.check_params(params)
+        tokenized = self.check_length(self.tokenize(prompt))
+        return EngineRequest(tokenized.prompt, tokenized.prompt_token_ids, params)
