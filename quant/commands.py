@@ -26,7 +26,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     try:
         cfg = QuantConfig(
             w_bit=args.w_bit, group_size=args.group_size, method=args.method, calib=args.calib,
-            num_samples=args.num_samples, seq_len=args.seq_len, device=args.device,
+            num_samples=args.num_samples, seq_len=args.seq_len, device=args.device, format=args.format,
         )
         if args.calib and args.method == "awq":
             from lightinfer.quant.calib import read_text_file
@@ -73,8 +73,9 @@ def _int_arg(value: str) -> int:
 def register(subparsers: Any) -> None:
     """Add ``quantize`` and ``eval-ppl`` to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
     q = subparsers.add_parser(
-        "quantize", help="quantize a model to AWQ W4A16 (AutoAWQ gemm format)",
-        description="Quantize a model to 4-bit weights (AWQ or RTN) and write an AutoAWQ-format checkpoint.",
+        "quantize", help="quantize a model to W4A16 (AWQ or RTN), compressed-tensors or AutoAWQ format",
+        description="Quantize a model to 4-bit weights (AWQ or RTN) and write a compressed-tensors (default) or "
+                    "AutoAWQ-format checkpoint.",
     )
     q.add_argument("src", help="Hugging Face folder, .gguf file or smollm2-135m-instruct")
     q.add_argument("--out", required=True, help="output folder (must be empty or absent unless --force)")
@@ -85,6 +86,8 @@ def register(subparsers: Any) -> None:
     q.add_argument("--num-samples", type=_int_arg, default=16, help="calibration sequences (default 16)")
     q.add_argument("--seq-len", type=_int_arg, default=512, help="tokens per calibration sequence (default 512)")
     q.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    q.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "awq"],
+                   help="checkpoint format: compressed-tensors (default; vLLM/SGLang native) or awq (AutoAWQ gemm)")
     q.add_argument("--force", action="store_true", help="replace a non-empty --out")
     q.add_argument("--quiet", action="store_true", help="no progress bar")
     q.set_defaults(func=run_quantize)
