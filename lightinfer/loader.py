@@ -311,36 +311,8 @@ def _load_gguf(model: nn.Module, checkpoint: Checkpoint) -> dict[str, str]:
 
 
 def _load_safetensors(model: nn.Module, checkpoint: Checkpoint) -> dict[str, str]:
-    from lightinfer.formats.safetensors_load import QuantizedLoader
-    from lightinfer.layers.linear import Linear, W4A16Linear, W8A16Linear
+    from lightinfer.formats.safetensors_load import load_safetensors_weights
 
-    params = dict(model.named_parameters())
-    quant_modules = {n: m for n, m in model.named_modules() if isinstance(m, (W4A16Linear, W8A16Linear))}
-    quant = None
-    if quant_modules:
-        qc = checkpoint.quant_config or {"quant_method": "awq"}
-        quant = QuantizedLoader(qc, quant_modules, set(checkpoint.tensor_names()),
-                                lambda n: checkpoint._weight_map.get(n, checkpoint.path))
-    tied = getattr(model, "tie_word_embeddings", False)
-    loaded: set[str] = set()
-    for name, tensor in checkpoint.iter_tensors():
-        if tied and name == "lm_head.weight":
-            continue
-        if quant is not None and quant.take(name, tensor):
-            continue
-        if name not in params:
-            continue  # e.g. rotary inv_freq buffers some exporters write
-        param = params[name]
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
-        param.copy_(tensor.to(param.dtype))
-        loaded.add(name)
-    missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")]
-    missing += quant.missing() if quant is not None else []
-    if missing:
-        raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:5])}")
-    report = dict(quant.done) if quant is not None else {}
-    for n, m in model.named_modules():
-        if isinstance(m, Linear) or n in ("model.embed_tokens", "lm_head"):
-            report[n] = "tied to embed_tokens" if tied and n == "lm_head" else "dense"
-    return report
+    return load_safetensors_weights(model, checkpoint.iter_tensors(), checkpoint.quant_config,
+                                    set(checkpoint.tensor_names()),
+                                    lambda n: checkpoint._weight_map.get(n, checkpoint.path))

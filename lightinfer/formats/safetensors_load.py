@@ -10,7 +10,7 @@ converts a layer as soon as it has all of them: at most one layer's tensors wait
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -131,3 +131,44 @@ class QuantizedLoader:
         out = [f"{m}.{min(self.expected[m] - set(p))}" for m, p in self.pending.items()]
         out += [f"{m}.{self.parts_of[0]}" for m in self.modules if m not in self.done and m not in self.pending]
         return out
+
+
+def load_safetensors_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], qc: dict | None,
+                             tensor_names: set[str], file_of: Callable[[str], object]) -> dict[str, str]:
+    """Stream ``(name, tensor)`` pairs into ``model``: dense parameters copied (cast to their dtype),
+    quantized layers collected and repacked by :class:`QuantizedLoader`.
+
+    Returns:
+        Module name -> how it was loaded, for the start-up summary.
+    Raises:
+        ValueError: a shape mismatch or a missing tensor (named).
+    """
+    from lightinfer.layers.linear import Linear, W4A16Linear, W8A16Linear
+
+    params = dict(model.named_parameters())
+    quant_modules = {n: m for n, m in model.named_modules() if isinstance(m, (W4A16Linear, W8A16Linear))}
+    quant = QuantizedLoader(qc or {"quant_method": "awq"}, quant_modules, tensor_names, file_of) \
+        if quant_modules else None
+    tied = getattr(model, "tie_word_embeddings", False)
+    loaded: set[str] = set()
+    for name, tensor in tensors:
+        if tied and name == "lm_head.weight":
+            continue
+        if quant is not None and quant.take(name, tensor):
+            continue
+        if name not in params:
+            continue  # e.g. rotary inv_freq buffers some exporters write
+        param = params[name]
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
+        param.copy_(tensor.to(param.dtype))
+        loaded.add(name)
+    missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")]
+    missing += quant.missing() if quant is not None else []
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:5])}")
+    report = dict(quant.done) if quant is not None else {}
+    for n, m in model.named_modules():
+        if isinstance(m, Linear) or n in ("model.embed_tokens", "lm_head"):
+            report[n] = "tied to embed_tokens" if tied and n == "lm_head" else "dense"
+    return report

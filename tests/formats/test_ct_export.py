@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightinfer.quant.api import quantize
+from lightinfer.quant.config import QuantConfig
 from safetensors import safe_open
 
 from lightinfer import LLM
 from lightinfer.cli import main as cli_main
 from lightinfer.formats.ct_writer import awq_to_compressed_tensors
-from lightinfer.quant.api import quantize
-from lightinfer.quant.config import QuantConfig
 from tests.conftest import write_tiny_checkpoint
 
 FAST = {"num_samples": 2, "seq_len": 64}
@@ -43,7 +43,7 @@ def test_default_is_compressed_tensors_with_llm_compressors_layout(both: tuple[P
     assert qc["config_groups"]["group_0"]["targets"] == ["Linear"]
     assert "lm_head" in qc["ignore"] and "model.layers.1.mlp.down_proj" in qc["ignore"]
     with safe_open(str(ct / "model.safetensors"), framework="pt") as f:
-        names = set(f.keys())  # noqa: SIM118
+        names = set(f.keys())
         p = "model.layers.1.mlp.up_proj"
         assert f.get_tensor(f"{p}.weight_packed").dtype == torch.int32
         assert tuple(f.get_tensor(f"{p}.weight_packed").shape) == (192, 64 // 8)  # [out, in / 8]
@@ -66,9 +66,10 @@ def test_both_formats_load_to_the_same_model(both: tuple[Path, Path]) -> None:
 
 def test_conversion_is_exact_on_extreme_zeros() -> None:
     """Zero points 0 and 15 (the ends of the int4 range) survive the signed offset of compressed-tensors."""
+    from lightinfer.kernels.reference import dequantize_w4, pack_awq, repack_awq_to_runtime
+
     from lightinfer.formats.compressed_tensors import ct_to_runtime
     from lightinfer.formats.quant_config import CTScheme
-    from lightinfer.kernels.reference import dequantize_w4, pack_awq, repack_awq_to_runtime
 
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (64, 16), generator=gen)  # [K, N]

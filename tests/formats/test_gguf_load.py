@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
+from lightinfer.models.registry import get_model_class
 
 from lightinfer import LLM
 from lightinfer.formats.gguf_file import open_gguf
@@ -17,7 +18,6 @@ from lightinfer.layers.linear import Linear, W4A16Linear
 from lightinfer.layers.quant_embed import QuantizedLMHead, QuantizedVocabEmbedding, dequantize_rows
 from lightinfer.layers.w8_linear import W8A16Linear
 from lightinfer.loader import Checkpoint, _read_gguf, load_weights
-from lightinfer.models.registry import get_model_class
 from tests.formats.gguf_files import write_tiny_gguf
 
 ALL_TYPES = {"attn_q": T.Q4_K, "attn_k": T.Q4_0, "attn_v": T.Q6_K, "attn_output": T.Q4_1, "ffn_gate": T.Q5_K,

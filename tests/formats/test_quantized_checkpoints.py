@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightinfer.models.registry import get_model_class
 from safetensors.torch import load_file, save_file
 
 from lightinfer import LLM
 from lightinfer.layers.linear import W4A16Linear
 from lightinfer.layers.w8_linear import W8A16Linear
 from lightinfer.loader import Checkpoint, load_weights
-from lightinfer.models.registry import get_model_class
 from tests.fixtures.make_quant_fixtures import REF_IDS
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "quant"
@@ -147,8 +147,8 @@ def test_nan_scales_name_the_layer(tmp_path: Path, no_model_built: list[int], na
 @pytest.mark.parametrize("change,match", [
     ({"rotation": "hadamard"}, r"quantization_config\.rotation='hadamard' is not supported"),
     ({"dynamic": {"-:.*down_proj": {}}}, r"quantization_config\.dynamic=.* is not supported"),
-    ({"hqq_offsets": True}, r"key\(s\) 'hqq_offsets' unknown to lightinfer's reader of "
-                            r"quantization_config\.quant_method='gptq'"),
+    ({"hqq_offsets": True}, (r"key\(s\) 'hqq_offsets' unknown to lightinfer's reader of "
+                             r"quantization_config\.quant_method='gptq'")),
     ({"checkpoint_format": "marlin", "format": "marlin"}, r"checkpoint_format/format=\['marlin'\]"),
 ])
 def test_gptq_config_keys_that_change_meaning(tmp_path: Path, no_model_built: list[int], change: dict,
@@ -164,8 +164,8 @@ def test_gptq_config_keys_that_change_meaning(tmp_path: Path, no_model_built: li
     ({"format": "int-quantized"}, r"quantization_config\.format='int-quantized' is not supported.*pack-quantized"),
     ({"format": "float-quantized"}, r"quantization_config\.format='float-quantized' is not supported"),
     ({"kv_cache_scheme": {"num_bits": 8}}, r"kv_cache_scheme"),
-    ({"weight_transform": "x"}, r"unknown to lightinfer's reader of quantization_config\.quant_method="
-                                r"'compressed-tensors'"),
+    ({"weight_transform": "x"}, (r"unknown to lightinfer's reader of quantization_config\.quant_method="
+                                 r"'compressed-tensors'")),
 ])
 def test_compressed_tensors_config_refused(tmp_path: Path, no_model_built: list[int], change: dict,
                                            match: str) -> None:
@@ -184,3 +184,11 @@ def test_compressed_tensors_activation_quantization_refused(tmp_path: Path, no_m
     with pytest.raises(ValueError, match=r"group_0\.input_activations is set: activation quantization"):
         LLM(str(path))
     assert not no_model_built
+
+
+def test_act_order_layers_sharing_an_input_fuse_with_one_gather() -> None:
+    """GPTQModel orders q/k/v (and gate/up) by the same Hessian, so they share one K order: fused, they
+    gather their common input once."""
+    llm = LLM(str(FIXTURES / "gptq-4bit-g32-asym-actorder"), dtype="float32", max_model_len=64, num_kv_blocks=8)
+    attn = llm.llm_engine.model_runner.model.model.layers[0].self_attn
+    assert attn.qkv_proj is not None and attn.qkv_proj.input_perm is not None
