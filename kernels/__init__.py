@@ -7,7 +7,7 @@ The public surface (what layers, models and the engine import; importing it does
 * :func:`get_backend`, :data:`BACKEND_NAMES`, :data:`OP_NAMES`: the ``triton``, ``torch_cpu`` and
   ``reference`` op backends (``backends.py``); :mod:`switches` for the ``LIGHTINFER_*`` kernel switches.
 * The W4 run-time weight layout (``w4_layout.py``): :func:`repack_awq_to_runtime`, :func:`dequantize_w4`,
-  :func:`pack_awq`, :func:`unpack_awq`, :func:`pack_int4_rows`, :func:`unpack_int4_rows`.
+  :func:`pack_awq`, :func:`unpack_awq`, :func:`pack_int4_rows`, :func:`unpack_int4_rows`; the W8 one's :func:`dequantize_w8` (``reference.py``).
 * :func:`decode_workspace_bytes`: the memory a split paged-attention decode allocates.
 
 Build-time tooling (SASS counts, shared-memory and PDL checks) lives in ``lightinfer.kernels.audit``, which
@@ -20,6 +20,7 @@ from . import switches
 from .attention_plan import decode_workspace_bytes
 from .backends import OP_NAMES, get_backend
 from .paged_kv import KV_BLOCK_SIZES, KVCacheSpec, PagedKV
+from .reference import dequantize_w8
 from .split_k import SplitKPartials
 from .switches import BACKEND_NAMES
 from .w4_layout import (
@@ -40,6 +41,7 @@ __all__ = [
     "SplitKPartials",
     "decode_workspace_bytes",
     "dequantize_w4",
+    "dequantize_w8",
     "get_backend",
     "pack_awq",
     "pack_int4_rows",

@@ -26,6 +26,7 @@ assert tuple(_MODULES) == BACKEND_NAMES
 # The ops every backend module defines, with one signature per name (tests/kernels/test_backends.py checks).
 OP_NAMES = (
     "w4a16_gemm",
+    "w8a16_gemm",
     "store_kvcache",
     "paged_attention_decode",
     "paged_attention_prefill",

@@ -261,3 +261,43 @@ def silu_and_mul(x: torch.Tensor | SplitKPartials) -> torch.Tensor:
         x = x.reduced()
     half = x.shape[-1] // 2
     return (torch.nn.functional.silu(x[..., :half].float()) * x[..., half:].float()).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- W8A16
+# W8 run-time layout (GGUF Q8_0 / Q6_K / Q5_*, GPTQ 8-bit; ``kernels/w8a16_gemm.py`` is the kernel):
+#
+#     qweight  int8    [N, K]        row n holds output channel n, one code per byte
+#     scales   fp32    [K // G, N]
+#     zeros    fp32    [K // G, N]   or None (symmetric: every zero is 0); may be fractional
+#     w[k, n] = (q[n, k] - zeros[k // G, n]) * scales[k // G, n]
+#
+# Scales and zeros stay fp32 whatever the activation dtype: GGUF's products d * sc are exact
+# there (an fp16 d times a 6- or 8-bit integer), so the layout adds no rounding of its own.
+
+
+def dequantize_w8(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None) -> torch.Tensor:
+    """W8 run-time layout (above) -> dense fp32 weight ``[N, K]`` (``nn.Linear`` orientation).
+
+    Args:
+        qweight: int8 ``[N, K]``; scales: fp32 ``[K // G, N]``; zeros: fp32 ``[K // G, N]`` or None.
+    """
+    k = qweight.shape[1]
+    group_size = k // scales.shape[0]
+    w = qweight.to(torch.float32)  # [N, K]
+    if zeros is not None:
+        w = w - zeros.t().to(torch.float32).repeat_interleave(group_size, dim=1)
+    return w * scales.t().to(torch.float32).repeat_interleave(group_size, dim=1)
+
+
+def w8a16_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``y[M, N] = x[M, K] @ dequant(W)[K, N] (+ bias)``, accumulated in fp32, returned in ``x.dtype``."""
+    y = x.to(torch.float32) @ dequantize_w8(qweight, scales, zeros).t()
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype)

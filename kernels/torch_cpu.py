@@ -23,13 +23,21 @@ import torch
 import torch.nn.functional as F
 
 from .paged_kv import PagedKV
-from .reference import apply_rotary, dequantize_kv_int8, quantize_kv_int8, rotary_qk, silu_and_mul, w4a16_gemm
+from .reference import (
+    apply_rotary,
+    dequantize_kv_int8,
+    quantize_kv_int8,
+    rotary_qk,
+    silu_and_mul,
+    w4a16_gemm,
+    w8a16_gemm,
+)
 from .sdpa import attend, varlen_causal_attention
 from .split_k import SplitKPartials
 
 __all__ = ["apply_rotary", "fused_add_rms_norm", "gather_blocks", "gather_kv", "paged_attention_decode",
            "paged_attention_prefill", "rms_norm", "rope_store_kvcache", "rotary_qk", "silu_and_mul",
-           "store_kvcache", "varlen_causal_attention", "w4a16_gemm"]
+           "store_kvcache", "varlen_causal_attention", "w4a16_gemm", "w8a16_gemm"]
 
 
 # ----------------------------------------------------------------------------- KV cache

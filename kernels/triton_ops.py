@@ -13,7 +13,8 @@ from .paged_attention import paged_attention_decode, paged_attention_prefill
 from .rope_store import rope_store_kvcache
 from .sdpa import varlen_causal_attention
 from .w4a16_gemm import w4a16_gemm
+from .w8a16_gemm import w8a16_gemm
 
 __all__ = ["fused_add_rms_norm", "paged_attention_decode", "paged_attention_prefill", "rms_norm",
            "rope_store_kvcache", "rotary_qk", "silu_and_mul", "store_kvcache", "varlen_causal_attention",
-           "w4a16_gemm"]
+           "w4a16_gemm", "w8a16_gemm"]

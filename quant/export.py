@@ -118,14 +118,23 @@ def write_checkpoint(
     tensors: dict[str, torch.Tensor],
     hf_config: dict[str, Any],
     quantization_config: dict[str, Any],
+    fmt: str = "awq",
 ) -> int:
     """Write ``model.safetensors`` and ``config.json`` into ``folder``; returns the safetensors bytes.
 
     Args:
-        tensors: checkpoint name -> CPU tensor (made contiguous here).
+        tensors: checkpoint name -> CPU tensor (made contiguous here), AWQ layers in AutoAWQ "gemm" layout.
         hf_config: the source model's config as a dict (``PretrainedConfig.to_dict()``).
         quantization_config: the AutoAWQ block (:meth:`QuantConfig.to_hf_dict`).
+        fmt: "awq" writes them as they are; "compressed-tensors" converts them, exactly, to
+            ``pack-quantized`` (``lightinfer.formats.ct_writer``).
     """
+    if fmt == "compressed-tensors":
+        from lightinfer.formats.ct_writer import awq_to_compressed_tensors
+
+        tensors, quantization_config = awq_to_compressed_tensors(tensors, quantization_config)
+    elif fmt != "awq":
+        raise ValueError(f"unknown checkpoint format {fmt!r}; use compressed-tensors or awq")
     path = folder / "model.safetensors"
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
     cfg = dict(hf_config)

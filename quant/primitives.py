@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from lightinfer.kernels.reference import pack_awq, unpack_awq
+from lightinfer.kernels import pack_awq, unpack_awq
 
 MIN_SCALE = 1e-5
 

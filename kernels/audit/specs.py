@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .. import kv_store, norm_rope, paged_attention, rope_store, w4a16_gemm
+from .. import kv_store, norm_rope, paged_attention, rope_store, w4a16_gemm, w8a16_gemm
 from ..launch_utils import TRITON_DTYPE, next_pow2
 from ..paged_kv import KV_BLOCK_SIZES
 from ..w4a16_tiled import w4a16_tiled_kernel
@@ -201,6 +201,23 @@ def rope_store_specs() -> list[LaunchSpec]:
     return specs
 
 
+def w8a16_specs(dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)) -> list[LaunchSpec]:
+    """Every W8A16 kernel variant (per activation dtype, with and without zeros)."""
+    specs: list[LaunchSpec] = []
+    for dt in dtypes:
+        f = "*" + TRITON_DTYPE[dt]
+        sig = {"x_ptr": f, "q_ptr": "*i8", "s_ptr": "*fp32", "z_ptr": "*fp32", "bias_ptr": f, "y_ptr": f,
+               **dict.fromkeys(("M", "N", "K", "G", "stride_xm", "stride_ym"), "i32")}
+        for block_m, block_n, block_k, num_warps in w8a16_gemm.CONFIGS:
+            for has_zero in (False, True):
+                ce = {"HAS_ZERO": has_zero, "HAS_BIAS": True, "UPCAST_DOT": False,
+                      "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
+                specs.append(_spec(f"w8a16[{dt}]", w8a16_gemm.w8a16_kernel, sig, ce, num_warps))
+    return specs
+
+
 def all_launch_specs() -> list[LaunchSpec]:
-    """Every :class:`LaunchSpec` of every launcher, in a fixed order (W4A16, attention, KV store, norms, RoPE store)."""
-    return [*w4a16_specs(), *attention_specs(), *kv_store_specs(), *norm_rope_specs(), *rope_store_specs()]
+    """Every :class:`LaunchSpec` of every launcher, in a fixed order (W4A16, attention, KV store, norms, RoPE store,
+    W8A16)."""
+    return [*w4a16_specs(), *attention_specs(), *kv_store_specs(), *norm_rope_specs(), *rope_store_specs(),
+            *w8a16_specs()]

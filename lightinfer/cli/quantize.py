@@ -28,7 +28,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     try:
         cfg = QuantConfig(
             w_bit=args.w_bit, group_size=args.group_size, method=args.method, calib=args.calib,
-            num_samples=args.num_samples, seq_len=args.seq_len, device=args.device,
+            num_samples=args.num_samples, seq_len=args.seq_len, device=args.device, format=args.format,
         )
         if args.calib and args.method == "awq":
             from lightinfer.quant.calib import read_text_file
@@ -75,8 +75,9 @@ def _int_arg(value: str) -> int:
 def register(subparsers: Any) -> None:
     """Add ``quantize`` and ``eval-ppl`` to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
     q = add_parser(
-        subparsers, "quantize", "quantize a model to AWQ W4A16 (AutoAWQ gemm format)",
-        "Quantize a model to 4-bit weights (AWQ or RTN) and write an AutoAWQ-format checkpoint.",
+        subparsers, "quantize", "quantize a model to 4-bit weights (compressed-tensors or AutoAWQ format)",
+        "Quantize a model to 4-bit weights (AWQ or RTN) and write a compressed-tensors (default; what vLLM and "
+        "SGLang load natively) or AutoAWQ-format checkpoint.",
     )
     q.add_argument("src", help="Hugging Face folder, .gguf file or smollm2-135m-instruct")
     q.add_argument("--out", required=True, help="output folder, must be empty or absent unless --force (required, no default)")
@@ -90,6 +91,8 @@ def register(subparsers: Any) -> None:
     q.add_argument("--num-samples", type=_int_arg, default=16, help="calibration sequences")
     q.add_argument("--seq-len", type=_int_arg, default=512, help="tokens per calibration sequence")
     q.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when there is a GPU)")
+    q.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "awq"],
+                   help="checkpoint format: compressed-tensors (vLLM/SGLang native) or awq (AutoAWQ gemm)")
     q.add_argument("--force", action="store_true", help="replace a non-empty --out")
     q.add_argument("--quiet", action="store_true", help="no progress bar")
     q.set_defaults(func=run_quantize)

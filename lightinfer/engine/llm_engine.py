@@ -19,6 +19,7 @@ from lightinfer.engine.model_runner import ModelRunner
 from lightinfer.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from lightinfer.engine.sequence import Sequence
 from lightinfer.engine.step_inputs import select_rows
+from lightinfer.formats.scheme import describe_formats
 from lightinfer.inputs import EngineRequest, InputProcessor, PromptType
 from lightinfer.layers.sampler import INVALID_TOKEN, Sampler, SamplingRow, has_penalties
 from lightinfer.loader import Checkpoint
@@ -27,7 +28,6 @@ from lightinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger("lightinfer")
 DEFAULT_MAX_MODEL_LEN = 8192
-SUPPORTED_AWQ = {"quant_method": "awq", "bits": 4, "version": "gemm", "zero_point": True}
 
 
 @dataclass
@@ -69,30 +69,15 @@ class Request:
 
 
 def check_quant_config(qc: dict | None, hf_config: object) -> None:
-    """Refuse a ``quantization_config`` we cannot run, before loading anything.
+    """Refuse a ``quantization_config`` we cannot run (AWQ, GPTQ, compressed-tensors, GGUF), before
+    loading anything (``lightinfer.formats.quant_config``).
 
     Raises:
         ValueError: naming the field, its value and what is supported.
     """
-    if qc is None:
-        return
-    for key, want in SUPPORTED_AWQ.items():
-        got = qc.get(key, want if key in ("version", "zero_point") else None)
-        if isinstance(got, str) and isinstance(want, str):
-            got = got.lower()
-        if got != want:
-            raise ValueError(
-                f"quantization_config.{key}={got!r} is not supported; lightinfer runs AWQ checkpoints with "
-                f"{', '.join(f'{k}={v!r}' for k, v in SUPPORTED_AWQ.items())} (AutoAWQ 'gemm' format)"
-            )
-    group = qc.get("group_size")
-    from lightinfer.models.registry import get_model_class
+    from lightinfer.formats.quant_config import check_quant_config as check
 
-    sizes = get_model_class(hf_config).linear_input_sizes(hf_config)
-    bad = {k: v for k, v in sizes.items() if not isinstance(group, int) or group <= 0 or v % group}
-    if bad:
-        raise ValueError(f"quantization_config.group_size={group!r} must be a positive divisor of every quantized "
-                         f"layer's input size; it does not divide {', '.join(f'{k}={v}' for k, v in bad.items())}")
+    check(qc, hf_config)
 
 
 class LLMEngine:
@@ -364,6 +349,8 @@ class LLMEngine:
             "architecture": type(self.model_runner.model).__name__,
             "quantization": None if qc is None else {"method": qc.get("quant_method"), "bits": qc.get("bits"),
                                                      "group_size": qc.get("group_size")},
+            # per layer kind, how its weights were loaded: "W4 (GGUF Q4_1, g32)", "dense"...
+            "weights": describe_formats(self.model_runner.weight_formats),
             "kv_cache_dtype": "int8" if spec.is_int8 else str(spec.dtype).replace("torch.", ""),
             "weight_bytes": self.model_runner.weight_bytes,
             "num_kv_blocks": self.block_manager.num_blocks,

@@ -24,7 +24,7 @@ from lightinfer.kernels import KVCacheSpec, decode_workspace_bytes
 from lightinfer.layers.attention import Attention, AttentionMetadata, set_context
 from lightinfer.layers.embed_head import VocabEmbedding
 from lightinfer.layers.fusion import fuse_model
-from lightinfer.layers.linear import W4A16Linear
+from lightinfer.layers.linear import W4A16Linear, W8A16Linear
 from lightinfer.loader import Checkpoint, load_weights
 from lightinfer.models.registry import get_model_class
 
@@ -61,10 +61,12 @@ class ModelRunner:
             check_host_memory(self._cpu_memory_parts(model_cls, checkpoint), available_host_bytes())
         with torch.device(self.device):
             self.model = model_cls(hf_config, checkpoint.quant_config, self.dtype)
+        # module -> how its weights were loaded ("W4 (GPTQ, g128)", "dense"...), for model_info()
+        self.weight_formats: dict[str, str] = {}
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)
         else:
-            load_weights(self.model, checkpoint)
+            self.weight_formats = load_weights(self.model, checkpoint)
         fuse_model(self.model)  # q/k/v and gate/up as single GEMMs; split-K sums left to the op that follows
         self.model.eval()
         # The input embedding when it lives in host memory on a GPU engine (rows gathered there).
@@ -101,7 +103,8 @@ class ModelRunner:
         weights = module_bytes(skeleton)
         elem = torch.empty(0, dtype=self.dtype).element_size()
         # On a CPU every 4-bit layer also keeps its weight dequantized once (W4A16Linear.pack_for_cpu).
-        dense = sum(m.in_features * m.out_features * elem for m in skeleton.modules() if isinstance(m, W4A16Linear))
+        dense = sum(m.in_features * m.out_features * elem for m in skeleton.modules()
+                    if isinstance(m, (W4A16Linear, W8A16Linear)))
         kv = self.config.kv_cache_memory_bytes or (0 if self.config.num_kv_blocks else CPU_DEFAULT_KV_CACHE_BYTES)
         dtype = str(self.dtype).replace("torch.", "")
         return {f"weights ({dtype})": weights, "4-bit layers dequantized for the CPU GEMM": dense,

@@ -1,7 +1,9 @@
-"""Linear layers: dense (``Linear``) and AWQ 4-bit weight, 16-bit activation (``W4A16Linear``).
+"""Linear layers: dense (``Linear``) and 4-bit weight, 16-bit activation (``W4A16Linear``); the 8-bit
+sibling is ``w8_linear.W8A16Linear``.
 
-Both keep Hugging Face parameter names (``weight``/``bias``; ``qweight``/``qzeros``/``scales``
-on disk) so checkpoints load by name.
+Dense layers keep Hugging Face parameter names (``weight``/``bias``) so checkpoints load by name; the
+quantized ones take their tensors from ``lightinfer.loader`` (AWQ, GPTQ, compressed-tensors, GGUF
+converted into the run-time layout once, at load).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from torch import nn
 from lightinfer.kernels import SplitKPartials, dequantize_w4, repack_awq_to_runtime
 from lightinfer.layers.cpu_gemm import PackedWeight, can_pack
 from lightinfer.layers.ops import ops_for, uses_triton
+from lightinfer.layers.w8_linear import W8A16Linear, inverse_permutation
 
 
 class Linear(nn.Module):
@@ -40,11 +43,15 @@ class Linear(nn.Module):
 
 
 class W4A16Linear(nn.Module):
-    """AWQ W4A16 linear layer: 4-bit group-quantized weight, activations in 16 (or 32) bits.
+    """W4A16 linear layer: 4-bit group-quantized weight, activations in 16 (or 32) bits.
 
     Buffers hold the run-time layout of ``kernels/reference.py``: ``qweight`` int32
     ``[out, in // 8]``, ``scales`` and ``zeros`` ``[in // group_size, out]`` in the activation
-    dtype. :meth:`load_awq` converts AutoAWQ's "gemm" disk tensors once at load time.
+    dtype. :meth:`load_awq` converts AutoAWQ's "gemm" disk tensors once at load time;
+    :meth:`load_runtime` takes tensors ``lightinfer.formats`` already converted (GPTQ,
+    compressed-tensors, GGUF). ``input_perm`` (None, or int64 ``[in]``): act-order checkpoints store
+    K reordered so that groups are contiguous; the GPU path gathers ``x[..., input_perm]`` once per
+    call, the CPU path un-permutes its dense copy instead.
 
     Raises:
         ValueError: ``in_features`` not a multiple of ``group_size`` or ``out_features`` not a
@@ -64,6 +71,7 @@ class W4A16Linear(nn.Module):
         self.register_buffer("qweight", torch.zeros(out_features, in_features // 8, dtype=torch.int32))
         self.register_buffer("scales", torch.zeros(num_groups, out_features, dtype=dtype))
         self.register_buffer("zeros", torch.zeros(num_groups, out_features, dtype=dtype))
+        self.register_buffer("input_perm", None)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         # On the Triton path, return a split K unreduced (SplitKPartials) for the next op to sum as it
         # loads it: set by the fusion pass (layers/fusion.py) where the model declares that op takes partials.
@@ -92,12 +100,40 @@ class W4A16Linear(nn.Module):
         self.zeros.copy_(z)
         self._dense = self._packed = None
 
+    @torch.no_grad()
+    def load_runtime(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     input_perm: torch.Tensor | None = None) -> None:
+        """Take tensors already in the run-time layout: qweight int32 ``[out, in // 8]``, scales and
+        zeros float ``[in // G, out]`` (cast to this layer's dtype), ``input_perm`` int ``[in]`` or None.
+
+        Raises:
+            ValueError: shapes that do not match this layer.
+        """
+        if (tuple(qweight.shape) != tuple(self.qweight.shape) or tuple(scales.shape) != tuple(self.scales.shape)
+                or tuple(zeros.shape) != tuple(self.zeros.shape)):
+            raise ValueError(
+                f"W4 tensors qweight {tuple(qweight.shape)} / scales {tuple(scales.shape)} / zeros "
+                f"{tuple(zeros.shape)} do not match a {self.in_features}->{self.out_features} layer with "
+                f"group_size {self.group_size} (expected {tuple(self.qweight.shape)}, {tuple(self.scales.shape)})")
+        self.qweight.copy_(qweight)
+        self.scales.copy_(scales)
+        self.zeros.copy_(zeros)
+        self.input_perm = None if input_perm is None else input_perm.to(self.qweight.device, torch.int64)
+        self._dense = self._packed = None
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight ``[out, in]`` in the original input order, in the scales' dtype."""
+        w = dequantize_w4(self.qweight, self.scales, self.zeros)
+        if self.input_perm is not None:
+            w = w.index_select(1, inverse_permutation(self.input_perm))
+        return w
+
     def pack_for_cpu(self) -> None:
         """On CPU, dequantize the weight once and prepack it for the fp32 GEMM (``cpu_gemm``);
         the 4-bit tensors stay (they are what a GPU or an export reads). No-op on CUDA."""
         if self.qweight.is_cuda:
             return
-        dense = dequantize_w4(self.qweight, self.scales, self.zeros)
+        dense = self.dense_weight()
         if can_pack(dense):
             self._packed, self._dense = PackedWeight(dense), None
         else:  # keep it for the F.linear path rather than dequantizing again at the first forward
@@ -116,8 +152,10 @@ class W4A16Linear(nn.Module):
             return self._packed(x, self.bias)
         if not uses_triton(x):
             if self._dense is None:
-                self._dense = dequantize_w4(self.qweight, self.scales, self.zeros)
+                self._dense = self.dense_weight()
             return F.linear(x, self._dense.to(x.dtype), self.bias)
+        if self.input_perm is not None:  # act-order: the stored K order
+            x = x.index_select(-1, self.input_perm)
         if self.defer_reduce and x.dim() == 2:
             return ops_for(x).w4a16_gemm(x, self.qweight, self.scales, self.zeros, self.bias, defer_reduce=True)
         y = ops_for(x).w4a16_gemm(x.reshape(-1, shape[-1]), self.qweight, self.scales, self.zeros, self.bias)
@@ -137,6 +175,11 @@ def fuse_linears(layers: list[Linear | W4A16Linear]) -> Linear | W4A16Linear | N
         layers, e.g. a ``modules_to_not_convert`` entry, different group sizes or inputs).
     """
     first = layers[0]
+    if any(not isinstance(m, (Linear, W4A16Linear)) for m in layers):
+        return None  # W8A16Linear parts run apart
+    perms = [getattr(m, "input_perm", None) for m in layers]
+    if any(p is not None for p in perms) and not all(p is not None and torch.equal(p, perms[0]) for p in perms):
+        return None  # act-order parts share one GEMM only with one input order
     kinds = {(type(m), m.in_features, getattr(m, "group_size", None), m.bias is not None,
               m.scales.dtype if isinstance(m, W4A16Linear) else m.weight.dtype) for m in layers}
     if len(kinds) != 1:
@@ -154,6 +197,7 @@ def fuse_linears(layers: list[Linear | W4A16Linear]) -> Linear | W4A16Linear | N
             fused.qweight = torch.cat([m.qweight for m in layers])
             fused.scales = torch.cat([m.scales for m in layers], dim=1)
             fused.zeros = torch.cat([m.zeros for m in layers], dim=1)
+            fused.input_perm = perms[0]
         else:
             fused.weight = nn.Parameter(torch.cat([m.weight for m in layers]), requires_grad=False)
         if has_bias:
@@ -168,13 +212,16 @@ def make_linear(
     dtype: torch.dtype,
     quant_config: dict | None,
     prefix: str,
-) -> Linear | W4A16Linear:
-    """A ``W4A16Linear`` when ``quant_config`` (a checkpoint's ``quantization_config``) quantizes
-    the layer named ``prefix``, else a dense ``Linear``."""
-    if quant_config is None:
-        return Linear(in_features, out_features, bias, dtype)
-    skip = quant_config.get("modules_to_not_convert") or []
-    if any(prefix == m or prefix.startswith(m + ".") or prefix.endswith("." + m) or m in prefix.split(".")
-           for m in skip):
-        return Linear(in_features, out_features, bias, dtype)
-    return W4A16Linear(in_features, out_features, bias, int(quant_config["group_size"]), dtype)
+) -> Linear | W4A16Linear | W8A16Linear:
+    """The layer for ``prefix`` as ``quant_config`` (a checkpoint's ``quantization_config``, with the
+    per-module map a :class:`~lightinfer.loader.Checkpoint` adds) stores it: ``W4A16Linear``,
+    ``W8A16Linear`` or a dense ``Linear`` (``lightinfer.formats.scheme.linear_format``)."""
+    from lightinfer.formats.scheme import linear_format
+
+    fmt = linear_format(quant_config, prefix)
+    if fmt.kind == "w4":
+        return W4A16Linear(in_features, out_features, bias, fmt.runtime_group_size(in_features), dtype)
+    if fmt.kind == "w8":
+        return W8A16Linear(in_features, out_features, bias, fmt.runtime_group_size(in_features), dtype,
+                           symmetric=fmt.symmetric)
+    return Linear(in_features, out_features, bias, dtype)

@@ -39,7 +39,7 @@ def _logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
 def test_awq_checkpoint_format_and_reload(tmp_path: Path, arch: str) -> None:
     src = write_tiny_checkpoint(tmp_path / "src", arch=arch, intermediate_size=192)
     out = tmp_path / "out"
-    summary = quantize(str(src), out, QuantConfig(group_size=32, **FAST), progress=False)
+    summary = quantize(str(src), out, QuantConfig(group_size=32, format="awq", **FAST), progress=False)
     assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "generation_config.json",
                                                "tokenizer.json", "tokenizer_config.json"}
     assert not list(tmp_path.glob(".out.tmp-*"))
@@ -193,7 +193,7 @@ def test_engine_refuses_unrunnable_quantization_config(tiny: Path, tmp_path: Pat
     from lightinfer import LLM
 
     out = tmp_path / "q"
-    quantize(str(tiny), out, QuantConfig(method="rtn", group_size=32), progress=False)
+    quantize(str(tiny), out, QuantConfig(method="rtn", group_size=32, format="awq"), progress=False)
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"][field] = value
     (out / "config.json").write_text(json.dumps(cfg))
@@ -217,7 +217,8 @@ def test_sigterm_leaves_nothing(tmp_path: Path) -> None:
 
 def test_modules_to_not_convert_inside_layers(tiny: Path, tmp_path: Path) -> None:
     out = tmp_path / "q"
-    quantize(str(tiny), out, QuantConfig(group_size=32, modules_to_not_convert=["lm_head", "down_proj"], **FAST),
+    quantize(str(tiny), out, QuantConfig(group_size=32, modules_to_not_convert=["lm_head", "down_proj"], format="awq",
+                                         **FAST),
              progress=False)
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())

@@ -1,0 +1,86 @@
+"""Token embedding and LM head over a quantized table (a GGUF file's Q8_0 / Q6_K / Q4_K ``token_embd``
+and ``output`` tensors), without a 16- or 32-bit copy of the table.
+
+The table is a ``W4A16Linear`` or ``W8A16Linear`` with ``out_features = vocab`` and
+``in_features = hidden``: the LM head is exactly that layer's GEMM, and an embedding lookup
+dequantizes only the looked-up rows. With tied embeddings both modules hold the same table.
+The loader swaps these in for ``VocabEmbedding`` / ``LMHead`` (``lightinfer.formats.gguf_load``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightinfer.kernels import dequantize_w4, dequantize_w8
+from lightinfer.layers.linear import W4A16Linear
+from lightinfer.layers.w8_linear import W8A16Linear
+
+
+def dequantize_rows(table: W4A16Linear | W8A16Linear, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (int64 ``[T]``) of ``table``'s weight, dequantized: ``[T, hidden]`` in fp32 (W8)
+    or the scales' dtype (W4)."""
+    if isinstance(table, W8A16Linear):
+        zeros = None if table.zeros is None else table.zeros.index_select(1, ids)
+        return dequantize_w8(table.qweight.index_select(0, ids), table.scales.index_select(1, ids), zeros)
+    return dequantize_w4(table.qweight.index_select(0, ids), table.scales.index_select(1, ids),
+                         table.zeros.index_select(1, ids))
+
+
+class QuantizedVocabEmbedding(nn.Module):
+    """``input_ids [T] int64`` -> ``[T, hidden]`` in ``dtype``, from a quantized table (module docstring).
+
+    Same interface as ``VocabEmbedding`` (``lookup``, ``offload_to_host``, ``on_host``).
+
+    Raises:
+        ValueError: an id outside ``[0, vocab_size)``.
+    """
+
+    def __init__(self, table: W4A16Linear | W8A16Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = table
+        self.vocab_size = table.out_features
+        self.dtype = dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The table's codes (what decides its device)."""
+        return self.table.qweight
+
+    @property
+    def on_host(self) -> bool:
+        return self.table.qweight.device.type == "cpu"
+
+    def offload_to_host(self) -> None:
+        """Move the quantized table to host memory (in place); looked-up rows are dequantized there."""
+        self.table.to("cpu")
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            raise ValueError(f"token id outside the vocabulary [0, {self.vocab_size})")
+        return dequantize_rows(self.table, ids).to(self.dtype)
+
+    def lookup(self, input_ids: list[int], device: torch.device) -> torch.Tensor:
+        """Rows of ``input_ids`` (host ints) -> ``[T, hidden]`` on ``device``."""
+        return self._rows(torch.tensor(input_ids, dtype=torch.long, device=self.weight.device)).to(device)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._rows(input_ids.to(self.weight.device)).to(input_ids.device)
+
+
+class QuantizedLMHead(nn.Module):
+    """``hidden [S, hidden]`` -> fp32 logits ``[S, vocab]`` through the table's own GEMM."""
+
+    def __init__(self, table: W4A16Linear | W8A16Linear) -> None:
+        super().__init__()
+        self.table = table
+
+    def pack_for_cpu(self, keep_weight: bool) -> None:
+        """On CPU the table dequantizes once for the GEMM (as every quantized layer there);
+        ``keep_weight`` is moot: the quantized table always stays (the embedding reads it)."""
+        del keep_weight
+        self.table.pack_for_cpu()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.table(hidden)
+        return (out.reduced() if hasattr(out, "reduced") else out).float()

@@ -1,0 +1,119 @@
+"""``W8A16Linear``: int8 weight codes with a scale (and optional zero) per group, 16-bit activations.
+
+It runs what a checkpoint stores with more than 4 bits without widening it to fp16: GGUF Q8_0 /
+Q6_K / Q5_* tensors (a Q4_K_M file's Q6_K layers, SmolLM2's Q8_0 embedding and LM head) and 8-bit
+GPTQ / compressed-tensors. Layout: ``kernels/reference.py`` ("W8A16"): qweight int8 ``[out, in]``,
+fp32 scales and zeros ``[in // G, out]``. 1.125 bytes per weight at G = 32 (symmetric) against 2 for
+fp16, with the file's own values: the codes are the file's, and fp32 holds every GGUF scale exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightinfer.kernels import dequantize_w8
+from lightinfer.layers.cpu_gemm import PackedWeight, can_pack
+from lightinfer.layers.ops import ops_for, uses_triton
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """``inv`` with ``inv[perm[j]] = j`` (int64, same device)."""
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype)
+    return inv
+
+
+class W8A16Linear(nn.Module):
+    """``y = x W^T + b`` with ``W[n, k] = (q[n, k] - z[k // G, n]) * s[k // G, n]``, q int8.
+
+    Args:
+        in_features, out_features: K and N.
+        bias: whether the layer has a bias (in ``dtype``).
+        group_size: G, a divisor of K (K itself: one scale per output channel).
+        dtype: the activation dtype (and the bias's). Scales and zeros are always fp32.
+        symmetric: no zeros tensor (every zero is 0).
+
+    Attributes:
+        input_perm: None, or int64 ``[K]``: the stored K order is ``x[..., input_perm]`` (act-order
+            checkpoints, whose groups become contiguous only after reordering K). The GPU path
+            gathers the input once per call; the CPU path un-permutes its dense copy instead.
+
+    Raises:
+        ValueError: ``group_size`` does not divide ``in_features``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int, dtype: torch.dtype,
+                 symmetric: bool = True) -> None:
+        super().__init__()
+        if group_size <= 0 or in_features % group_size:
+            raise ValueError(f"in_features {in_features} is not a multiple of group_size {group_size}")
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        num_groups = in_features // group_size
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.zeros(num_groups, out_features, dtype=torch.float32))
+        self.register_buffer("zeros", None if symmetric else torch.zeros(num_groups, out_features,
+                                                                           dtype=torch.float32))
+        self.register_buffer("input_perm", None)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.dtype = dtype
+        self._dense: torch.Tensor | None = None  # CPU only: the weight dequantized once, [out, in]
+        self._packed: PackedWeight | None = None
+
+    @torch.no_grad()
+    def load_runtime(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                     input_perm: torch.Tensor | None = None) -> None:
+        """Take tensors already in the W8 run-time layout (``lightinfer.formats`` converts them).
+
+        Raises:
+            ValueError: shapes or dtypes that do not match this layer, or zeros on a symmetric layer.
+        """
+        want_q = (self.out_features, self.in_features)
+        if qweight.dtype != torch.int8 or tuple(qweight.shape) != want_q or tuple(scales.shape) != tuple(
+                self.scales.shape):
+            raise ValueError(f"W8 tensors qweight {tuple(qweight.shape)} {qweight.dtype} / scales "
+                             f"{tuple(scales.shape)} do not match a {self.in_features}->{self.out_features} layer "
+                             f"with group_size {self.group_size} (expected int8 {want_q}, scales "
+                             f"{tuple(self.scales.shape)})")
+        if (zeros is None) != (self.zeros is None):
+            raise ValueError("W8 zeros given for a symmetric layer (or missing for an asymmetric one)")
+        self.qweight.copy_(qweight)
+        self.scales.copy_(scales.to(torch.float32))
+        if zeros is not None:
+            self.zeros.copy_(zeros.to(torch.float32))
+        self.input_perm = None if input_perm is None else input_perm.to(self.qweight.device, torch.int64)
+        self._dense = self._packed = None
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight ``[out, in]`` in the original input order, dequantized in fp32."""
+        w = dequantize_w8(self.qweight, self.scales, self.zeros)
+        if self.input_perm is not None:
+            w = w.index_select(1, inverse_permutation(self.input_perm))
+        return w
+
+    def pack_for_cpu(self) -> None:
+        """On CPU, dequantize once (in the activation dtype) and prepack it for the GEMM, as
+        ``W4A16Linear`` does; the int8 tensors stay. No-op on CUDA."""
+        if self.qweight.is_cuda:
+            return
+        dense = self.dense_weight().to(self.dtype)
+        if can_pack(dense):
+            self._packed, self._dense = PackedWeight(dense), None
+        else:
+            self._dense = dense
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in]`` -> ``[..., out]`` (fp32 accumulation)."""
+        if not uses_triton(x):
+            if self._packed is not None:
+                return self._packed(x, self.bias)
+            if self._dense is None:
+                self._dense = self.dense_weight().to(self.dtype)
+            return F.linear(x, self._dense.to(x.dtype), self.bias)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.input_perm is not None:
+            x2 = x2.index_select(1, self.input_perm)
+        y = ops_for(x2).w8a16_gemm(x2.contiguous(), self.qweight, self.scales, self.zeros, self.bias)
+        return y.reshape(*shape[:-1], self.out_features)

@@ -1,0 +1,70 @@
+"""The embedded SmolLM2 GGUF (a real Q4_1 file: Q4_1 linears, F32 norms, a Q8_0 tied embedding) runs 4-bit
+from the file: weights equal transformers' reading of it, greedy chat answers match transformers, and
+the weights take a fifth of the old fp32 load."""
+
+from __future__ import annotations
+
+import torch
+
+from lightinfer import SamplingParams
+from lightinfer.layers.linear import W4A16Linear
+from lightinfer.layers.quant_embed import QuantizedVocabEmbedding, dequantize_rows
+from lightinfer.loader import Checkpoint, load_weights
+from lightinfer.models.registry import get_model_class
+from tests.conftest import SMOLLM2, requires_smollm2
+
+pytestmark = requires_smollm2
+
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain what a CPU cache is in two sentences.",
+    "Give me three tips for learning a new language.",
+    "What is 17 times 3?",
+    "Translate 'good morning' into Spanish and German.",
+    "Write a Python function that reverses a string.",
+    "Why is the sky blue?",
+]
+FP32_LOAD_BYTES = 538_060_032  # LLM(SMOLLM2).model_info()["weight_bytes"] before GGUF loaded 4-bit (fp32 copy)
+
+
+def test_weights_equal_transformers_reading(smollm2_hf) -> None:  # type: ignore[no-untyped-def]
+    ck = Checkpoint(SMOLLM2)
+    model = get_model_class(ck.hf_config)(ck.hf_config, ck.quant_config, torch.float32)
+    report = load_weights(model, ck)
+    assert report["model.layers.0.self_attn.q_proj"] == "W4 (GGUF Q4_1, g32)"
+    assert report["model.embed_tokens"] == "W8 (GGUF Q8_0, g32)"
+    hf = dict(smollm2_hf.named_parameters())
+    for i in (0, 17, 29):  # q/k rows carry llama.cpp's permutation, undone like transformers does
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj"):
+            layer = model.get_submodule(f"model.layers.{i}.{name}")
+            assert isinstance(layer, W4A16Linear)
+            want = hf[f"model.layers.{i}.{name}.weight"]
+            torch.testing.assert_close(layer.dense_weight(), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(model.get_submodule(f"model.layers.{i}.input_layernorm").weight,
+                                   hf[f"model.layers.{i}.input_layernorm.weight"], rtol=0, atol=0)
+    emb = model.model.embed_tokens
+    assert isinstance(emb, QuantizedVocabEmbedding) and model.lm_head.table is emb.table
+    rows = torch.tensor([0, 1, 2, 500, 49151])
+    assert torch.equal(dequantize_rows(emb.table, rows), hf["model.embed_tokens.weight"][rows])  # Q8_0: exact
+
+
+def test_greedy_chat_matches_transformers_on_the_same_gguf(smollm2_llm, smollm2_hf) -> None:  # type: ignore[no-untyped-def]
+    im_end = smollm2_llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    params = SamplingParams(temperature=0, max_tokens=32)
+    outs = smollm2_llm.chat([[{"role": "user", "content": c}] for c in CHATS], params, use_tqdm=False)
+    same = 0
+    for out in outs:
+        ids = torch.tensor([out.prompt_token_ids])
+        with torch.no_grad():
+            ref = smollm2_hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
+                                      eos_token_id=im_end, pad_token_id=im_end)
+        same += out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist()
+    assert same >= 7, f"{same}/8 chat answers identical to transformers"
+
+
+def test_weights_are_a_fifth_of_the_fp32_load(smollm2_llm) -> None:  # type: ignore[no-untyped-def]
+    info = smollm2_llm.llm_engine.model_info()
+    assert info["quantization"] == {"method": "gguf", "bits": 4, "group_size": 32}
+    assert info["weights"]["q_proj"] == "W4 (GGUF Q4_1, g32)"
+    assert info["weight_bytes"] <= 0.35 * FP32_LOAD_BYTES
