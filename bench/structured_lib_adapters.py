@@ -40,6 +40,9 @@ def _lark_choice(choices: list[str]) -> str:
 
 
 class LlguidanceAdapter(Adapter):
+    """Regexes with ``\\d`` / ``\\w`` as ASCII classes (``regex_to_lark(.., "dw")``, as lightinfer
+    compiles them); llguidance's default is Unicode, xgrammar's ASCII."""
+
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         import llguidance
         import llguidance.hf
@@ -54,7 +57,7 @@ class LlguidanceAdapter(Adapter):
 
     def compile(self, kind: str, spec: Any) -> str:
         M = self.lib.LLMatcher
-        grammar = {"json": lambda: M.grammar_from_json_schema(spec), "regex": lambda: M.grammar_from_regex(spec),
+        grammar = {"json": lambda: M.grammar_from_json_schema(spec), "regex": lambda: M.grammar_from_lark(f"start: /{self.lib.regex_to_lark(spec, 'dw')}/"),
                    "choice": lambda: M.grammar_from_lark(_lark_choice(spec)),
                    "lark": lambda: M.grammar_from_lark(spec)}[kind]()
         is_error, messages = M.validate_grammar_with_warnings(grammar, self.ll_tokenizer)

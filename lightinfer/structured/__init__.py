@@ -51,7 +51,12 @@ from lightinfer.structured.tool_formats import (
     get_tool_call_format,
 )
 from lightinfer.structured.tool_grammar import build_tool_call_grammar
-from lightinfer.structured.tool_parser import ParsedToolCalls, ToolCall, ToolCallStreamParser, parse_tool_calls
+from lightinfer.structured.tool_parser import (
+    ParsedToolCalls,
+    ToolCall,
+    ToolCallStreamParser,
+    parse_tool_calls,
+)
 from lightinfer.structured.tool_spec import (
     ToolChoice,
     ToolSpec,

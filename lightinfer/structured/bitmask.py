@@ -119,7 +119,7 @@ class StructuredBatch:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor(num_threads=self.num_threads)
             width = self.bitmask.shape[1] * 4
-            pairs = [(matchers[r]._m, r) for r in self.rows]  # noqa: SLF001 - same package
+            pairs = [(matchers[r]._m, r) for r in self.rows]
             self._executor.unsafe_compute_mask_ptr(pairs, self.bitmask.data_ptr(), width, self.bitmask.shape[0])
         else:
             for r in self.rows:

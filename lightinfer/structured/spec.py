@@ -107,7 +107,8 @@ class StructuredOutputs:
             Properties come out in the schema's order; whitespace per :data:`JSON_WHITESPACE`.
         json_object: True for any JSON object (OpenAI's ``{"type": "json_object"}``).
         regex: the whole output matches this regular expression (Rust ``regex`` syntax, as
-            llguidance reads it: no look-around, no backreferences).
+            llguidance reads it: no look-around, no backreferences; ``\\d`` and ``\\w`` are the ASCII
+            classes ``[0-9]`` and ``[0-9A-Za-z_]``, as in JSON Schema patterns).
         choice: the output is exactly one of these strings.
         grammar: a context-free grammar: llguidance's Lark dialect (rule ``start``; terminals in
             UPPER case or ``/regex/``; ``%json {schema}`` inlines a JSON Schema; ``<|name|>`` or
@@ -147,7 +148,10 @@ class StructuredOutputs:
         elif kind == "regex":
             if not isinstance(self.regex, str) or not self.regex:
                 raise StructuredOutputsError("regex", "must be a non-empty string")
-            text, grammar = self.regex, llguidance.LLMatcher.grammar_from_regex(self.regex)
+            # \d and \w as ASCII classes (JSON Schema / ECMAScript meaning, what "\d{3}" is written
+            # for); the Rust regex default would also admit e.g. Devanagari digits
+            lark = f"start: /{llguidance.regex_to_lark(self.regex, 'dw')}/"
+            text, grammar = self.regex, llguidance.LLMatcher.grammar_from_lark(lark)
         elif kind == "choice":
             choice = self.choice
             if isinstance(choice, str) or not isinstance(choice, (list, tuple)) or not choice:

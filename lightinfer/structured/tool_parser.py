@@ -174,9 +174,7 @@ class ToolCallStreamParser:
         if c == "{":
             self._cur = _Call(start=i, index=len(self.calls))
             self.pos = i
-        elif name == "mistral" and c in "[,":
-            self.pos = i + 1
-        elif name == "llama3_json" and c == ";":
+        elif name == "mistral" and c in "[," or name == "llama3_json" and c == ";":
             self.pos = i + 1
         elif name == "hermes" and self.fmt.call_end and t.startswith(self.fmt.call_end, i):
             self.pos, self.phase = i + len(self.fmt.call_end), "content"

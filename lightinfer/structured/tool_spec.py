@@ -52,7 +52,7 @@ def parse_tools(tools: Sequence[Any] | None) -> list[ToolSpec]:
     if tools is None:
         return []
     if isinstance(tools, (str, bytes, dict)) or not isinstance(tools, Sequence):
-        raise ValueError(f"tools: must be a list of tools, got {type(tools).__name__}")
+        raise ValueError(f"tools: must be a list of tools, got {type(tools).__name__}")  # noqa: TRY004
     out: list[ToolSpec] = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
@@ -60,18 +60,18 @@ def parse_tools(tools: Sequence[Any] | None) -> list[ToolSpec]:
             out.append(tool)
             continue
         if not isinstance(tool, dict):
-            raise ValueError(f"{where}: must be an object like {{\"type\": \"function\", \"function\": {{...}}}}")
+            raise ValueError(f"{where}: must be an object like {{\"type\": \"function\", \"function\": {{...}}}}")  # noqa: TRY004
         if tool.get("type") != "function":
             raise ValueError(f"{where}.type: only \"function\" tools are supported, got {tool.get('type')!r}")
         fn = tool.get("function")
         if not isinstance(fn, dict):
-            raise ValueError(f"{where}.function: must be an object with a name (and parameters)")
+            raise ValueError(f"{where}.function: must be an object with a name (and parameters)")  # noqa: TRY004
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
             raise ValueError(f"{where}.function.name: must be 1-64 letters, digits, '_', '-' or '.', got {name!r}")
         desc = fn.get("description") or ""
         if not isinstance(desc, str):
-            raise ValueError(f"{where}.function.description: must be a string")
+            raise ValueError(f"{where}.function.description: must be a string")  # noqa: TRY004
         params = fn.get("parameters")
         if params is None:
             params = dict(NO_PARAMETERS)
@@ -111,7 +111,7 @@ def parse_tool_choice(tool_choice: Any, tools: Sequence[ToolSpec]) -> ToolChoice
     fn = tool_choice.get("function")
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
-        raise ValueError("tool_choice.function.name: must be the name of one of the tools")
+        raise ValueError("tool_choice.function.name: must be the name of one of the tools")  # noqa: TRY004
     if name not in {t.name for t in tools}:
         known = ", ".join(t.name for t in tools) or "none"
         raise ValueError(f"tool_choice.function.name: {name!r} is not in tools (defined: {known})")
