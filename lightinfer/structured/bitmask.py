@@ -35,11 +35,16 @@ def unpack_bitmask(bitmask: torch.Tensor, num_tokens: int) -> torch.Tensor:
         raw = np.ascontiguousarray(bitmask.numpy()).view(np.uint8)
         bits = torch.from_numpy(np.unpackbits(raw, axis=1, count=covered, bitorder="little").view(np.bool_))
     else:
-        shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-        bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(rows, -1)[:, :covered].bool()
+        bits = unpack_bitmask_by_shifts(bitmask, covered)
     if covered < num_tokens:
         bits = torch.cat([bits, bits.new_zeros(rows, num_tokens - covered)], dim=1)
     return bits
+
+
+def unpack_bitmask_by_shifts(bitmask: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """:func:`unpack_bitmask`'s device path (any device; ``num_tokens <= 32 * words``): torch shifts."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :num_tokens].bool()
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None,

@@ -75,6 +75,11 @@ class ToolCallStreamParser:
         self._out: list[dict[str, Any]] = []
         self.content = ""
 
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """The calls completed so far (non-empty at the end -> finish_reason "tool_calls")."""
+        return [ToolCall(c.id or "", c.name or "", c.arguments) for c in self.calls if c.arguments is not None]
+
     # -- output -------------------------------------------------------------------------------
     def _content(self, text: str) -> None:
         if not text:
@@ -248,7 +253,7 @@ def parse_tool_calls(text: str, fmt: str | ToolCallFormat,
     p = ToolCallStreamParser(fmt, id_factory)
     p.feed(text)
     p.finish()
-    calls = [ToolCall(c.id or "", c.name or "", c.arguments) for c in p.calls if c.arguments is not None]
+    calls = p.tool_calls
     content = p.content
     unfinished = [c for c in p.calls if c.arguments is None]
     if unfinished:

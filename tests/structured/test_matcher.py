@@ -114,3 +114,15 @@ def test_special_token_lookup(special_backend, byte_backend) -> None:
     assert tid is not None and special_backend.tokenizer.convert_ids_to_tokens(tid) == "[TOOL_CALLS]"
     assert byte_backend.special_token_id("[TOOL_CALLS]") is None
     assert special_backend.special_token_id("a") is None  # an ordinary token
+
+
+def test_json_whitespace_is_bounded(byte_backend) -> None:
+    """Compact, one-space and pretty-printed JSON pass; runs of blanks (a small model's loop) do not."""
+    spec = StructuredOutputs(json=SCHEMA)
+
+    def ok(text: str) -> bool:
+        m = byte_backend.matcher(spec)
+        return m.accept_tokens(ids(byte_backend, text)) and m.is_accepting()
+
+    assert ok('{"a":1,"b":"x"}') and ok('{"a": 1, "b": "x"}') and ok('{\n  "a": 1,\n  "b": "x"\n}')
+    assert not ok('{"a":     1, "b": "x"}') and not ok('{"a": 1,\n\n\n"b": "x"}')

@@ -66,6 +66,7 @@ def test_streaming_assembles_to_the_same_calls(fmt, chunk) -> None:
     p = ToolCallStreamParser(fmt, counter())
     deltas = [d for i in range(0, len(text), chunk) for d in p.feed(text[i:i + chunk])] + p.finish()
     content, calls = assemble(deltas)
+    assert p.tool_calls == whole.tool_calls
     assert content == whole.content
     assert calls == [(c.id, c.name, c.arguments) for c in whole.tool_calls]
     if chunk == 1:  # arguments really arrive in pieces, and the name before any of them
