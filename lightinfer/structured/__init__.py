@@ -26,13 +26,16 @@ one run; read the ratios, not the absolute times):
   lets a breaking instance through: allOf, overlapping oneOf, uniqueItems, contains, minContains,
   not, if/then/else, dependentRequired); its default strict mode also rejects valid instances of
   maxProperties / patternProperties schemas and refuses minProperties.
-* Compile is ~24x cheaper: a 20-property schema compiles (first mask included) in ~2 ms on SmolLM2's
-  49k vocabulary and ~15 ms on a 150k one, against ~47 ms and ~370 ms for xgrammar, which
-  precomputes token masks. Every request with a new schema (or new tools) pays this before its first
-  token; with the compiled template cached here a request starts in < 0.1 ms.
-* Per-step masks are 1.5-2.5x slower than xgrammar's (median per step, 32 rows: 0.42 vs 0.17 ms at
-  49k, 0.70 vs 0.48 ms at 150k; one row: 0.05 vs 0.02 ms and 0.09 vs 0.05 ms) and have a longer tail,
-  yet stay far below a decode step; the fill drops the GIL, so the engine runs it during the forward.
+* Compile is 16-40x cheaper: a 20-property schema compiles (first mask included) in ~2 ms on
+  SmolLM2's 49k vocabulary and ~2.4 ms on a 150k one, against ~32 ms and ~96 ms for xgrammar, which
+  precomputes token masks (three runs on the loaded machine: 16-24x at 49k, 24-39x at 150k). Every
+  request with a new schema (or new tools) pays this before its first token; with the compiled
+  template cached here a request starts in ~0.03 ms.
+* Per-step masks are 1.4-3x slower than xgrammar's (median per step, 32 rows: 0.41 vs 0.17 ms at
+  49k, 0.63 vs 0.45 ms at 150k; one row: 0.03 vs 0.01 ms and 0.07 vs 0.03 ms) with a longer tail
+  (p90 at 32 rows 1.7 / 8 ms), yet far below a decode step; the fill drops the GIL, so the engine
+  can run it during the forward. Both libraries' threaded batch fill was 3-7x slower than a plain
+  loop on this 2-core machine (hence :class:`StructuredBatch`'s default).
 * Both were correct on the 10 schemas, 3 regexes, a choice and a Lark grammar: fixed instances
   accepted / rejected, and every random-logit generation that finished was valid (with the
   libraries' default unbounded JSON whitespace a few looped on blank lines until the token limit,
