@@ -34,7 +34,7 @@ one run; read the ratios, not the absolute times):
 * Per-step masks are 1.4-3x slower than xgrammar's (median per step, 32 rows: 0.41 vs 0.17 ms at
   49k, 0.63 vs 0.45 ms at 150k; one row: 0.03 vs 0.01 ms and 0.07 vs 0.03 ms) with a longer tail
   (p90 at 32 rows 1.7 / 8 ms), yet far below a decode step; the fill drops the GIL, so the engine
-  can run it during the forward. Both libraries' threaded batch fill was 3-7x slower than a plain
+  can run it during the forward. Both libraries' threaded batch fill was 5-22x slower than a plain
   loop on this 2-core machine (hence :class:`StructuredBatch`'s default).
 * Both were correct on the 10 schemas, 3 regexes, a choice and a Lark grammar: fixed instances
   accepted / rejected, and every random-logit generation that finished was valid (with the
