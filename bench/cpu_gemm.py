@@ -18,7 +18,9 @@ layouts, run in ``.peers/torchao-venv`` (made on first use: a venv with torch 2.
 (asymmetric, group ``--group-size``, 32 as the embedded Q4_1 GGUF). Error: max |y - y_ref| /
 max |y_ref| at 16 rows, against the fp32 product with the weight the candidate stands for (its own
 dequantized weight: the kernel's error) and against the fp32 weight (adds the quantization error).
-Timings on a shared machine are noise; only ratios within one run carry over.
+Timings on a shared machine are noise; only ratios within one run carry over. Under heavy load, 2-thread
+wall times are dominated by OpenMP waiting for a descheduled thread (a 30 µs product takes 30 ms);
+there ``--threads 1 --clock cpu`` (the CPU time of single-threaded calls) still ranks the candidates.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"qkv 576->960": (576, 960), "o 576->576": (576, 576), "gate_up 576->3072": (576, 3072),
           "down 1536->576": (1536, 576), "lm_head 576->49152": (576, 49152)}
 BASELINE = "fp32 F.linear"
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def builders(args: argparse.Namespace) -> list[tuple[str, Any]]:
@@ -66,19 +70,21 @@ def builders(args: argparse.Namespace) -> list[tuple[str, Any]]:
     return out
 
 
-def time_us(fn: C.Fn, x: torch.Tensor, min_reps: int, min_time: float) -> tuple[float, float, float]:
+def time_us(fn: C.Fn, x: torch.Tensor, min_reps: int, min_time: float,
+            clock: Callable[[], float] = time.perf_counter) -> tuple[float, float, float]:
     """(median µs per call, fastest call µs, first call µs): two warm-up calls, then calls until ``min_reps``
-    and ``min_time``. The fastest call is kept too: on a shared machine it is the less disturbed figure."""
-    t0 = time.perf_counter()
+    and ``min_time`` (wall seconds). The fastest call is kept too: on a shared machine it is the less
+    disturbed figure. ``clock`` is wall time, or the process's CPU time (``--clock cpu``)."""
+    t0 = clock()
     fn(x)
-    first = time.perf_counter() - t0
+    first = clock() - t0
     fn(x)
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < min_reps or (time.perf_counter() - start < min_time and len(times) < 1000):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn(x)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times) * 1e6, min(times) * 1e6, first * 1e6
 
 
@@ -116,7 +122,7 @@ def measure(build_list: list[tuple[str, Any]], args: argparse.Namespace) -> list
                     if cand.max_rows is not None and m > cand.max_rows:
                         continue
                     rec["us"][str(m)], rec["us_min"][str(m)], rec["first_call_us"][str(m)] = (
-                        round(v, 1) for v in time_us(cand.fn, x, args.min_reps, args.min_time))
+                        round(v, 1) for v in time_us(cand.fn, x, args.min_reps, args.min_time, CLOCKS[args.clock]))
             except Exception as e:  # noqa: BLE001 - an op refusing a shape at call time is a result, not a crash
                 rec["skipped"] = f"{type(e).__name__}: {e}"[:300]
             records.append(rec)
@@ -154,7 +160,7 @@ def run_torchao_child(args: argparse.Namespace) -> tuple[list[dict[str, Any]], s
     out = args.out_dir / f".{args.name}_torchao.json"
     argv = [str(python), str(Path(__file__).resolve()), "--torchao-child", "--json-out", str(out),
             "--threads", str(args.threads), "--group-size", str(args.group_size), "--min-reps", str(args.min_reps),
-            "--min-time", str(args.min_time), "--rows", *map(str, args.rows), "--shapes", *args.shapes]
+            "--min-time", str(args.min_time), "--clock", args.clock, "--rows", *map(str, args.rows), "--shapes", *args.shapes]
     print(f"[torchao] {' '.join(argv)}", flush=True)
     rc = subprocess.run(argv, check=False).returncode
     if rc != 0 or not out.is_file():
@@ -165,19 +171,21 @@ def run_torchao_child(args: argparse.Namespace) -> tuple[list[dict[str, Any]], s
 
 
 # ---------------------------------------------------------------- report
-def _ratio(rec: dict[str, Any], base: dict[str, Any] | None, m: str) -> float | None:
-    if not base or m not in rec.get("us", {}) or m not in base.get("us", {}):
+def _ratio(rec: dict[str, Any], base: dict[str, Any] | None, m: str, stat: str = "us") -> float | None:
+    if not base or m not in rec.get(stat, {}) or m not in base.get(stat, {}):
         return None
-    return round(rec["us"][m] / base["us"][m], 3)
+    return round(rec[stat][m] / base[stat][m], 3)
 
 
 def markdown(result: dict[str, Any]) -> str:
     """One table per shape (µs per call and ratio to fp32 F.linear per row count), then error and memory."""
     meta, records, rows = result["meta"], result["records"], [str(m) for m in result["settings"]["rows"]]
     lines = ["# CPU matrix-product candidates at SmolLM2-135M's shapes", "",
-             f"Taken {meta['date']} on {meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}"
+             f"Taken {meta['date']} on {meta['cpu']}, {meta['threads']} threads, {meta.get('clock', 'wall')} clock, "
+             f"torch {meta['torch']}"
              + (f", torchao {meta['torchao']}" if meta.get("torchao") else "") + ". " + meta["conditions"], "",
-             "µs per call (median), and in brackets the ratio to fp32 `F.linear` of the same run (below 1 is faster).",
+             ("µs per call (median), and in brackets its ratio to fp32 `F.linear` of the same run (below 1 is "
+              "faster), then the same ratio of the fastest calls (less disturbed by other load on a shared machine)."),
              "fp32 activations in; casts to bf16 / int8 are part of the call."]
     for shape in dict.fromkeys(r["shape"] for r in records if r["shape"] != "all"):
         base = next((r for r in records if r["shape"] == shape and r["candidate"] == BASELINE), None)
@@ -189,8 +197,8 @@ def markdown(result: dict[str, Any]) -> str:
                 if m not in r["us"]:
                     cells.append("–")
                     continue
-                ratio = _ratio(r, base, m)
-                cells.append(f"{r['us'][m]:,.0f}" + (f" ({ratio:.2f})" if ratio is not None else ""))
+                ratio, fastest = _ratio(r, base, m), _ratio(r, base, m, "us_min")
+                cells.append(f"{r['us'][m]:,.0f}" + (f" ({ratio:.2f}; {fastest:.2f})" if ratio is not None else ""))
             lines.append(f"| {r['candidate']} | " + " | ".join(cells) + " |")
     lines += ["", "## Error and memory", "",
               ("Max relative error at 16 rows against the fp32 product with the candidate's own weight (the kernel's "
@@ -230,6 +238,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--block-bytes", type=int, default=512 * 1024, help="dequantized bytes per block (fallback)")
     ap.add_argument("--min-reps", type=int, default=5)
     ap.add_argument("--min-time", type=float, default=0.3, help="seconds of timed calls per cell, at least")
+    ap.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                    help="wall time (default), or this process's CPU time: with --threads 1, a figure that "
+                    "other load on a shared machine disturbs much less (it cannot see memory-bandwidth contention)")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile candidates")
     ap.add_argument("--no-torchao", dest="torchao", action="store_false", help="skip torchao (its own venv)")
     ap.add_argument("--peers-dir", type=Path, default=ROOT / ".peers")
@@ -240,6 +251,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if min(args.rows) < 1 or args.threads < 1:
         ap.error("--rows and --threads must be >= 1")
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu needs --threads 1: with more threads the CPU time counts OpenMP's spin-waits")
     return args
 
 
@@ -256,14 +269,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "cpu": next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                          if ln.startswith("model name")), platform.processor()),
-            "threads": args.threads, "torch": torch.__version__, "conditions": _conditions()}
+            "threads": args.threads, "clock": args.clock, "torch": torch.__version__, "conditions": _conditions()}
     print(f"[cpu_gemm] {meta['conditions']}", flush=True)
     records = measure(builders(args), args)
     if args.torchao:
         torchao_records, meta["torchao"] = run_torchao_child(args)
         records += torchao_records
     result = {"meta": meta, "settings": {k: v for k, v in vars(args).items() if k in (
-        "rows", "shapes", "threads", "group_size", "block_bytes", "min_reps", "min_time")}, "records": records}
+        "rows", "shapes", "threads", "clock", "group_size", "block_bytes", "min_reps", "min_time")}, "records": records}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out_dir / f"{args.name}.md").write_text(markdown(result))

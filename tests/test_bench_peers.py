@@ -125,4 +125,10 @@ def test_cpu_gemm_tiny_run(tmp_path) -> None:
     assert recs["bf16 F.linear"]["weight_bytes"] == 576 * 576 * 2
     assert all(set(r["us"]) == {"1", "2"} for r in recs.values() if "skipped" not in r)
     md = (tmp_path / "cpu_gemm.md").read_text()
-    assert "## o 576->576" in md and "| fp32 F.linear | " in md and "(1.00)" in md
+    assert "## o 576->576" in md and "| fp32 F.linear | " in md and "(1.00; 1.00)" in md
+
+
+def test_cpu_clock_needs_one_thread() -> None:
+    with pytest.raises(SystemExit):
+        cpu_gemm.parse_args(["--clock", "cpu", "--threads", "2"])
+    assert cpu_gemm.parse_args(["--clock", "cpu", "--threads", "1"]).clock == "cpu"

