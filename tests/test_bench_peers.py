@@ -84,15 +84,21 @@ def test_lightinfer_spec_and_argument_errors() -> None:
     assert args.lightinfer == ["smollm2-135m-instruct"] and args.threads == len(os.sched_getaffinity(0))
 
 
-def test_tree_monitor_sees_children_memory_and_cpu() -> None:
-    # a parent shell whose child spins for a moment and holds ~40 MB
-    code = "import time; b = bytearray(40 * 2**20); t = time.time()\nwhile time.time() - t < 1.0: pass\ntime.sleep(5)"
-    proc = subprocess.Popen(["sh", "-c", f"{sys.executable} -c '{code}'; true"], start_new_session=True)
+def test_tree_monitor_sees_children_memory_and_cpu(tmp_path) -> None:
+    # a parent shell whose child holds ~40 MB, burns 0.5 s of CPU, says so with a file, then sleeps
+    ready = tmp_path / "ready"
+    code = ("import time, pathlib; b = bytearray(40 * 2**20)\nwhile time.process_time() < 0.5: pass\n"
+            f"pathlib.Path('{ready}').touch(); time.sleep(60)")
+    proc = subprocess.Popen(["sh", "-c", f'{sys.executable} -c "{code}"; true'], start_new_session=True)
     try:
-        mon = procfs.TreeMonitor(proc.pid, interval_s=0.05).start()
-        time.sleep(2.0)
+        mon = procfs.TreeMonitor(proc.pid, interval_s=0.05, rescan_s=0.1).start()
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists()
         assert len(procfs.process_tree(proc.pid)) == 2
-        assert mon.cpu_seconds() > 0.3  # the child's busy second, counted through the parent
+        assert mon.cpu_seconds() >= 0.4  # the child's 0.5 s of CPU (/proc counts in 10 ms ticks), through the parent
+        time.sleep(0.3)
         mon.stop()
         assert mon.peak_rss > 40 * 2**20 and 0 < mon.peak_pss <= mon.peak_rss
     finally:
