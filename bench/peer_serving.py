@@ -16,9 +16,11 @@ client, ``vllm bench serve``, with the same random prompts: 128-token prompts, 1
 with ``--ignore-eos``, 6 requests at 1 user, then 64 at 16 users (``--loads 1:6 16:64``). Recorded
 per server: TTFT, TPOT (mean / median / p99), output tokens/s per load, peak RSS (and PSS) of the
 server's process tree, start-up (process start to the first answered request) and the server's CPU
-use while idle. Before each measurement the CPU used by other processes is checked; on a busy
-machine (llama.cpp's threads spin: any other load distorts it badly) it waits up to ``--wait-idle``
-seconds, then measures anyway, warns, and marks the row. Writes ``bench/results/peers_cpu.json``
+use while idle, and per load the cores the server and everything else used. Before each
+measurement the CPU used by other processes is checked; on a busy machine (llama.cpp's threads
+spin: any other load distorts it badly) it waits up to ``--wait-idle`` seconds, then measures
+anyway, warns, and marks the row; load that starts during a measurement marks it too. vLLM's
+start-up is warm after its first run (it caches its compiled graphs in ~/.cache/vllm). Writes ``bench/results/peers_cpu.json``
 and ``peers_cpu.md`` (tables + ratios against the peers of the same run); logs in ``.peers/logs/``.
 Linux only (reads /proc).
 """
@@ -41,6 +43,7 @@ from peers import client, install, procfs, report, servers
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER_CHOICES = ("llama.cpp", "vllm", "lightinfer")
+MAX_OTHER_CORES = 0.1  # other processes using more than this during a measurement mark it "not idle"
 
 
 def _load(text: str) -> client.Load:
@@ -131,10 +134,15 @@ def measure(spec: servers.ServerSpec, port: int, args: argparse.Namespace, vllm:
             argv = client.bench_serve_argv(vllm, tokenizer, port, load, args.input_len, args.output_len, args.seed,
                                            args.peers_dir / "results", name)
             timeout = 600.0 + 10.0 * load.num_prompts * args.output_len / load.concurrency
+            meter = procfs.OthersMeter(monitor)
             raw = client.run_bench_serve(argv, server.log_path.with_suffix(".client.log"),
                                          args.peers_dir / "results" / name, timeout)
-            entry["loads"][str(load.concurrency)] = {"num_prompts": load.num_prompts, **client.summarize(raw)}
+            during = meter.stop()
+            entry["loads"][str(load.concurrency)] = {"num_prompts": load.num_prompts, **client.summarize(raw), **during}
             got = entry["loads"][str(load.concurrency)]
+            if during["others_cores"] > MAX_OTHER_CORES:
+                print(f"[run] WARNING: other processes used {during['others_cores']:.2f} cores during {spec.label} at "
+                      f"{load.concurrency}; the row is marked.", flush=True)
             print(f"[run] {spec.label} at {load.concurrency}: TPOT {got['mean_tpot_ms']:.1f} ms, TTFT "
                   f"{got['mean_ttft_ms']:.0f} ms, {got['output_tok_s']:.1f} tok/s, {got['failed']} failed", flush=True)
     except (servers.ServerError, RuntimeError) as e:
@@ -144,7 +152,8 @@ def measure(spec: servers.ServerSpec, port: int, args: argparse.Namespace, vllm:
         monitor.stop()
         server.stop()
     entry["peak_rss_bytes"], entry["peak_pss_bytes"] = monitor.peak_rss, monitor.peak_pss
-    entry["machine_idle"] = all(c["idle"] for c in entry["idle_checks"])
+    entry["machine_idle"] = all(c["idle"] for c in entry["idle_checks"]) and all(
+        got.get("others_cores", 0.0) <= MAX_OTHER_CORES for got in entry["loads"].values())
     return entry
 
 

@@ -138,3 +138,22 @@ def test_cpu_clock_needs_one_thread() -> None:
     with pytest.raises(SystemExit):
         cpu_gemm.parse_args(["--clock", "cpu", "--threads", "2"])
     assert cpu_gemm.parse_args(["--clock", "cpu", "--threads", "1"]).clock == "cpu"
+
+
+def test_others_meter_sees_load_that_starts_during_a_measurement() -> None:
+    me = subprocess.Popen(["sleep", "30"], start_new_session=True)  # a quiet "server"
+    try:
+        mon = procfs.TreeMonitor(me.pid)
+        meter = procfs.OthersMeter(mon)
+        # another process, started after the meter, burns ~0.6 s of CPU
+        other = subprocess.Popen([sys.executable, "-c", "import time\nwhile time.process_time() < 0.6: pass"],
+                                 start_new_session=True)
+        # wait for it without reaping it, so that its CPU is not in this process's children's rusage
+        os.waitid(os.P_PID, other.pid, os.WEXITED | os.WNOWAIT)
+        got = meter.stop()
+        other.wait()
+        assert got["server_cores"] < 0.05
+        assert got["others_cores"] * got["wall_s"] >= 0.5  # its 0.6 s of CPU, less /proc's tick rounding
+    finally:
+        os.killpg(me.pid, 9)
+        me.wait()

