@@ -220,11 +220,16 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _conditions() -> str:
+def _conditions(threads: int, clock: str) -> str:
     load = os.getloadavg()[0]
-    busy = load > 0.5 * len(os.sched_getaffinity(0))
-    return (f"Load average {load:.1f} at the start: " + ("**a busy machine**, timings are noise (ratios less so)."
-                                                         if busy else "an idle machine."))
+    if load <= 0.5 * len(os.sched_getaffinity(0)):
+        return f"Load average {load:.1f} at the start: an idle machine."
+    if clock == "cpu":
+        return (f"Load average {load:.1f} at the start: **a busy machine**; CPU time of single-threaded calls, "
+                "which other load disturbs little (but it cannot show contention for memory bandwidth).")
+    return (f"Load average {load:.1f} at the start: **a busy machine**: with {threads} threads, wall times and "
+            "even their ratios are noise (OpenMP waits for descheduled threads); `--threads 1 --clock cpu` ranks "
+            "the candidates on such a machine.")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -269,7 +274,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "cpu": next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                          if ln.startswith("model name")), platform.processor()),
-            "threads": args.threads, "clock": args.clock, "torch": torch.__version__, "conditions": _conditions()}
+            "threads": args.threads, "clock": args.clock, "torch": torch.__version__,
+            "conditions": _conditions(args.threads, args.clock)}
     print(f"[cpu_gemm] {meta['conditions']}", flush=True)
     records = measure(builders(args), args)
     if args.torchao:

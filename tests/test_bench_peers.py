@@ -46,7 +46,9 @@ def test_markdown_marks_a_busy_machine_and_failed_servers() -> None:
     servers_ = [_server("llama.cpp", True, 20.0, 1000.0, 60.0, 200 * 2**20, 2.0),
                 {**_server("lightinfer x", False, 40.0, 200.0, 80.0, 2**30, 10.0), "machine_idle": False},
                 {"label": "vLLM-cpu", "peer": True, "weights": "hf", "error": "exited with code 1\nlog..."}]
-    result = {"meta": {"date": "d", "cpu": "c", "cores": 2, "memory_gib": 24, "lightinfer_commit": "abc"},
+    servers_[0]["note"] = "a load started mid-run"
+    result = {"meta": {"date": "d", "cpu": "c", "cores": 2, "memory_gib": 24, "lightinfer_commit": "abc",
+                       "note": "Smoke run."},
               "settings": {"loads": [{"concurrency": 1, "num_prompts": 6}, {"concurrency": 16, "num_prompts": 64}],
                            "input_len": 128, "output_len": 128, "seed": 0},
               "servers": servers_, "ratios": report.ratios(servers_, ["1", "16"])}
@@ -55,6 +57,7 @@ def test_markdown_marks_a_busy_machine_and_failed_servers() -> None:
     assert "| vLLM-cpu | hf | failed: exited with code 1 |" in md
     assert "| lightinfer x | llama.cpp | 2.00 | 0.20 | 1.33 |" in md
     assert "| llama.cpp | w | 200 (200) |" in md
+    assert "Smoke run.\n" in md and "- llama.cpp: a load started mid-run" in md
 
 
 def test_summarize_keeps_the_table_figures() -> None:

@@ -77,6 +77,11 @@ def markdown(result: dict[str, Any]) -> str:
                                         for load in settings["loads"]) + ". One run; only ratios carry over.",
         "",
     ]
+    if meta.get("note"):
+        lines += [meta["note"], ""]
+    lines += [f"- {s['label']}: {s['note']}" for s in servers if s.get("note")]
+    if any(s.get("note") for s in servers):
+        lines.append("")
     if busy:
         lines += [(f"**The machine was not idle** while measuring {', '.join(busy)} (other processes used CPU; "
                    "see `idle_checks` in the JSON): these figures are noise, rerun on an idle machine."), ""]
