@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers.install import vllm_python  # noqa: E402
-from peers.servers import vllm_preload  # noqa: E402
+from peers.install import vllm_python
+from peers.servers import vllm_preload
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "The three primary colors are",
            "Water boils at a temperature of"]
