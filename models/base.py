@@ -76,6 +76,17 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
                 if hasattr(m, "in_features") and hasattr(m, "out_features")}
 
     @classmethod
+    def awq_table_for(cls, hf_config: object, layer_idx: int) -> AwqTable | None:
+        """The AWQ table of decoder layer ``layer_idx`` (MoE models mix sparse and dense layers); default
+        :attr:`awq_table`."""
+        return cls.awq_table
+
+    @classmethod
+    def moe_layer_ids(cls, hf_config: object) -> list[int]:
+        """The decoder layers with a sparse mixture-of-experts block (none for a dense model)."""
+        return []
+
+    @classmethod
     def linear_input_sizes(cls, hf_config: object) -> dict[str, int]:
         """The input sizes of the decoder's linears (what a quantization group size must divide),
         keyed by a name for error messages. Default: each linear's ``in_features`` by path;
