@@ -49,6 +49,15 @@ class MoeAwq:
     proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     shared: str | None = None
     dense: tuple[str, ...] = ()
+    prev_op: str = "post_attention_layernorm"
+
+    def expert_linears(self, num_experts: int) -> tuple[str, ...]:
+        """Every expert projection's path (checkpoint names: ``mlp.experts.3.gate_proj``), expert by expert."""
+        return tuple(f"{self.block}.experts.{e}.{p}" for e in range(num_experts) for p in self.proj_names)
+
+    def shared_linears(self) -> tuple[str, ...]:
+        """The shared expert's gate, up and down projections (none without a shared expert)."""
+        return tuple(f"{self.shared}.{p}" for p in ("gate_proj", "up_proj", "down_proj")) if self.shared else ()
 
 
 @dataclass(frozen=True)

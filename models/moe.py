@@ -162,4 +162,6 @@ class MoeCausalLMMixin:
     def weight_bytes_by_part(cls, hf_config: object, bits: int = 16, group_size: int = 128,
                              dtype_bytes: int = 2) -> dict[str, int]:
         """Weight bytes by part (``models/sizes.py``), experts included, the linears at ``bits``."""
-        return llama_family_weight_bytes(hf_config, cls.moe_spec, bits, group_size, dtype_bytes)
+        layer = cls.decoder_layer_cls  # type: ignore[attr-defined]
+        return llama_family_weight_bytes(hf_config, cls.moe_spec, bits, group_size, dtype_bytes,
+                                         qkv_bias=bool(layer.qkv_bias), qk_norm=bool(layer.qk_norm))

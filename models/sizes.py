@@ -22,10 +22,12 @@ def linear_bytes(out_features: int, in_features: int, bits: int, group_size: int
 
 
 def llama_family_weight_bytes(c: object, moe: MoeSpec | None = None, bits: int = 16, group_size: int = 128,
-                              dtype_bytes: int = 2, head_dim: int | None = None) -> dict[str, int]:
+                              dtype_bytes: int = 2, head_dim: int | None = None, qkv_bias: bool = False,
+                              qk_norm: bool = False) -> dict[str, int]:
     """Bytes by part (:data:`PARTS`) of a Llama-family model (Llama, Mistral, Qwen2/3, and with ``moe`` the MoE
-    families) with its decoder linears at ``bits`` (16: dense) and embedding, LM head, norms, router and
-    shared-expert gate in 16 bits (``dtype_bytes``), as ``quantize`` writes them."""
+    families) with its decoder linears at ``bits`` (16: dense) and embedding, LM head, norms, biases, router and
+    shared-expert gate in 16 bits (``dtype_bytes``), as ``quantize`` writes them. ``qkv_bias``: q/k/v have biases
+    (Qwen2); ``qk_norm``: per-head q/k RMSNorms (Qwen3)."""
     h, layers = int(c.hidden_size), int(c.num_hidden_layers)
     hd = head_dim or (getattr(c, "head_dim", None) or h // c.num_attention_heads)
     q, kv = int(c.num_attention_heads) * hd, int(c.num_key_value_heads) * hd
@@ -35,9 +37,11 @@ def llama_family_weight_bytes(c: object, moe: MoeSpec | None = None, bits: int =
     parts = dict.fromkeys(PARTS, 0)
     parts["embed_tokens"] = vocab_bytes
     parts["lm_head"] = 0 if getattr(c, "tie_word_embeddings", False) else vocab_bytes
-    parts["attention"] = layers * (lin(q, h) + 2 * lin(kv, h) + lin(h, q))
+    o_bias = bool(getattr(c, "attention_bias", False))
+    biases = ((q + 2 * kv) if qkv_bias or o_bias else 0) + (h if o_bias else 0)
+    parts["attention"] = layers * (lin(q, h) + 2 * lin(kv, h) + lin(h, q) + biases * dtype_bytes)
     parts["mlp"] = (layers - len(sparse)) * 3 * lin(int(c.intermediate_size), h)
-    parts["norms"] = (2 * layers + 1) * h * dtype_bytes
+    parts["norms"] = ((2 * layers + 1) * h + (2 * layers * hd if qk_norm else 0)) * dtype_bytes
     if sparse:
         e, i = moe.num_experts_of(c), int(getattr(c, moe.intermediate))
         parts["experts"] = len(sparse) * e * (2 * lin(i, h) + lin(h, i))

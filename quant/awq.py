@@ -173,17 +173,22 @@ def capture(
     hidden: list[torch.Tensor],
     seq_len: int,
     total_tokens: int,
+    moe_inputs: list[torch.Tensor] | None = None,
 ) -> tuple[dict[str, InputStats], list[torch.Tensor]]:
     """Run ``layer`` on the calibration batch, recording each scale group's input.
 
     Args:
         hidden: chunks of the residual stream, each ``[n_seqs * seq_len, hidden]`` (whole sequences).
         total_tokens: tokens over all chunks (chooses Gram vs kept rows).
+        moe_inputs: where the table has a MoE block, a list that receives the block's input chunks.
     Returns:
         ``(stats by group's first linear, the layer's output chunks)``.
     """
     stats: dict[str, InputStats] = {}
     handles = []
+    if table.moe is not None and moe_inputs is not None:
+        handles.append(layer.get_submodule(table.moe.block).register_forward_pre_hook(
+            lambda _m, args: moe_inputs.append(args[0].detach().clone())))
     for group in table.groups:
         lin = layer.get_submodule(group.linears[0])
         k = lin.in_features
@@ -238,7 +243,8 @@ def quantize_layer(
     for name, p in layer.named_parameters():
         check_finite(p, f"{prefix}.{name}")
     total = sum(x.shape[0] for x in hidden)
-    stats, outputs = capture(layer, table, hidden, seq_len, total)
+    moe_inputs: list[torch.Tensor] = []
+    stats, outputs = capture(layer, table, hidden, seq_len, total, moe_inputs)
     for out in outputs:
         check_finite(out, f"{prefix} output on the calibration batch")
     stats_of = {lin: stats[g.linears[0]] for g in table.groups for lin in g.linears}
@@ -275,6 +281,14 @@ def quantize_layer(
         tensors[f"{prefix}.{name}.qzeros"] = qzeros.cpu()
         tensors[f"{prefix}.{name}.scales"] = sc.cpu()
     quantized_weights = {f"{n}.weight" for n in table.linears if n not in keep_fp}
+    if table.moe is not None:  # the sparse block: quant/awq_moe.py (after the attention groups, as in forward order)
+        from lightinfer.quant.awq_moe import quantize_moe_block
+
+        moe = quantize_moe_block(layer, table.moe, moe_inputs, prefix, group_size, n_grid, max_shrink)
+        tensors.update(moe.tensors)
+        quantized_weights |= moe.replaced
+        info.update(moe.info)
+        info["moe.rtn_experts"], info["moe.num_experts"] = float(moe.rtn_experts), float(moe.num_experts)
     for name, p in layer.named_parameters():
         if name not in quantized_weights:
             tensors[f"{prefix}.{name}"] = p.detach().to("cpu", torch.float16)

@@ -22,7 +22,7 @@ MOE_CASES: dict[str, tuple[str, dict]] = {
         "decoder_sparse_step": 2, "mlp_only_layers": [3], "norm_topk_prob": False, "tie_word_embeddings": True}),
     "qwen2-moe-shared-expert": ("Qwen2MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2,
                                                         "moe_intermediate_size": 32,
-                                                        "shared_expert_intermediate_size": 48}),
+                                                        "shared_expert_intermediate_size": 64}),
 }
 
 
