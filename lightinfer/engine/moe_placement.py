@@ -67,8 +67,8 @@ def moe_startup_report(model: nn.Module, weight_bytes: int, host_weight_bytes: i
     # What a GPU engine holds on the device with every expert there: all but an untied input embedding, which
     # it keeps in host memory by default (EngineConfig.embedding_on_host).
     on_gpu = total - (0 if model.tie_word_embeddings else module_bytes(model.embed_tokens))
-    lines = [f"MoE: {len(by_layer)} layers of experts, {sum(by_layer.values()) / GIB:.2f} GiB of the "
-             f"{total / GIB:.2f} GiB of weights"]
+    lines = [(f"MoE: {len(by_layer)} layers of experts, {sum(by_layer.values()) / GIB:.2f} GiB of the "
+              f"{total / GIB:.2f} GiB of weights")]
     if on_host:
         lines.append(f"  experts of layers {on_host[0]}..{on_host[-1]} ({len(on_host)} layers, "
                      f"{sum(by_layer[i] for i in on_host) / GIB:.2f} GiB) in host memory, computed on the CPU")
