@@ -112,9 +112,10 @@ def run_shape(name: str, shape: tuple[int, int, int, int], batches: list[int], d
         err = float((fused[:check].float() - want).abs().max() / want.abs().max().clamp(min=1e-6))
         row = {"model": name, "tokens": t, "experts": e, "top_k": k, "hidden": h, "expert_width": inter,
                "fused_rel_err": err,
-               "fused_us": time_us(lambda: ops.fused_moe(x, w13, w2, weights, ids), True),
-               "per_expert_loop_us": time_us(lambda: per_expert_loop(ops, x, w13, w2, weights, ids), False),
-               "dense_w4_same_active_us": time_us(lambda: dense_same_active(ops, x, gate_up, down), True)}
+               "fused_us": time_us(lambda x=x, w=weights, i=ids: ops.fused_moe(x, w13, w2, w, i), True),
+               "per_expert_loop_us": time_us(lambda x=x, w=weights, i=ids: per_expert_loop(ops, x, w13, w2, w, i),
+                                             False),
+               "dense_w4_same_active_us": time_us(lambda x=x: dense_same_active(ops, x, gate_up, down), True)}
         row["loop_over_fused"] = row["per_expert_loop_us"] / row["fused_us"]
         row["fused_over_dense_same_active"] = row["fused_us"] / row["dense_w4_same_active_us"]
         weight_bytes = 3 * inter * h * (0.5 + 4 / group_size) * min(e, t * k)  # experts touched, at most

@@ -99,15 +99,15 @@ def decode_vs_transformers(batch_sizes: list[int], new_tokens: int, repeats: int
             ids = torch.randint(0, SMALL["vocab_size"], (b, PROMPT_LEN), generator=gen)
             prompts = ids.tolist()
 
-            def ours(n: int) -> None:
+            def ours(n: int, prompts: list[list[int]] = prompts) -> None:
                 llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
 
-            def theirs(n: int) -> None:
+            def theirs(n: int, ids: torch.Tensor = ids) -> None:
                 with torch.no_grad():
                     hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                                 do_sample=False, pad_token_id=0)
 
-            def ours_w4(n: int) -> None:
+            def ours_w4(n: int, prompts: list[list[int]] = prompts) -> None:
                 llm_w4.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
 
             row: dict[str, Any] = {"batch": b, "prompt_len": PROMPT_LEN, "new_tokens": new_tokens}
@@ -150,7 +150,7 @@ def cpu_half(num_layers: int, host_layers: int, batch_sizes: list[int], repeats:
         x = torch.randn(b, h, generator=gen).to(torch.bfloat16)
         weights, ids = torch.softmax(torch.randn(b, e, generator=gen), -1).topk(k, -1)
 
-        def step() -> None:
+        def step(x: torch.Tensor = x, weights: torch.Tensor = weights, ids: torch.Tensor = ids) -> None:
             y = x
             for w13, w2 in layers:
                 y = ops.fused_moe(y, w13, w2, weights, ids)
