@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from lightinfer.config import resolve_device
 from lightinfer.quant.config import QuantConfig
 from lightinfer.quant.export import AtomicOutputDir, check_output_dir, write_checkpoint
-from lightinfer.quant.layer_io import is_moe_linear, load_layer, quantized_linear_shapes
+from lightinfer.quant.layer_io import is_moe_linear, load_layer, per_expert_source, quantized_linear_shapes
 
 
 @dataclass
@@ -148,7 +148,8 @@ def quantize(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    names = ckpt.tensor_names()
+    num_experts = model_cls.moe_spec.num_experts_of(hf) if model_cls.moe_layer_ids(hf) else 0
+    names, get_tensor = per_expert_source(ckpt.tensor_names(), ckpt.get_tensor, num_experts)  # GGUF's stacks split
     by_layer: dict[int, list[str]] = {}
     other: list[str] = []
     for n in names:
@@ -184,7 +185,7 @@ def quantize(
                     from lightinfer.quant.awq import quantize_layer
 
                     layer = model_cls.decoder_layer_cls(hf, i, quant_config=None, dtype=torch.float32)
-                    load_layer(layer, prefix, ckpt.get_tensor)
+                    load_layer(layer, prefix, get_tensor)
                     layer.to(device)
                     lt, hidden, info = quantize_layer(
                         layer, tables[i], hidden, seq_len, group_size, cfg.n_grid, cfg.max_shrink, prefix, keep_fp)
@@ -196,7 +197,7 @@ def quantize(
                     from lightinfer.quant.rtn import quantize_layer_rtn
 
                     lt = quantize_layer_rtn(
-                        ckpt.get_tensor, by_layer.get(i, []), tables[i], prefix, group_size, device, keep_fp)
+                        get_tensor, by_layer.get(i, []), tables[i], prefix, group_size, device, keep_fp)
                     if tables[i] is not None and tables[i].moe is not None:
                         moe_experts += model_cls.moe_spec.num_experts_of(hf)
                         moe_rtn = moe_experts

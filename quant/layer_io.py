@@ -66,3 +66,32 @@ def load_layer(layer: nn.Module, prefix: str, get_tensor: Callable[[str], torch.
 def count_experts(layer: nn.Module) -> int:
     """Experts in a decoder layer (0 for a dense one)."""
     return sum(m.num_experts for m in layer.modules() if isinstance(m, FusedMoE))
+
+
+def per_expert_source(names: list[str], get_tensor: Callable[[str], torch.Tensor], num_experts: int,
+                      suffix: str = "_exps") -> tuple[list[str], Callable[[str], torch.Tensor]]:
+    """A checkpoint whose experts are stacked per projection (a GGUF file: ``{prefix}.gate_exps`` ``[E, N, K]``)
+    seen with Hugging Face's per-expert names (``{prefix}.{e}.gate_proj.weight``), each a slice of the stacked
+    tensor, which is read once for all its experts. Checkpoints without stacked tensors pass through."""
+    stacked = {n: n for n in names if n.endswith(suffix)}
+    if not stacked:
+        return names, get_tensor
+    out = [n for n in names if n not in stacked]
+    sources: dict[str, tuple[str, int]] = {}
+    for n in stacked:
+        prefix, part = n[: -len(suffix)].rsplit(".", 1)
+        for e in range(num_experts):
+            sources[f"{prefix}.{e}.{part}_proj.weight"] = (n, e)
+    out += list(sources)
+    cache: dict[str, torch.Tensor] = {}
+
+    def read(name: str) -> torch.Tensor:
+        if name not in sources:
+            return get_tensor(name)
+        src, e = sources[name]
+        if src not in cache:
+            cache.clear()  # one stacked tensor in memory at a time
+            cache[src] = get_tensor(src)
+        return cache[src][e]
+
+    return out, read

@@ -118,8 +118,9 @@ class ModelRunner:
         dense = sum(m.in_features * m.out_features * elem for m in skeleton.modules()
                     if isinstance(m, (W4A16Linear, W8A16Linear)))
         per_weight = elem if elem == 4 else 0.5
-        dense += int(sum(3 * m.num_experts * m.hidden_size * m.intermediate_size * per_weight
-                         for m in skeleton.modules() if isinstance(m, FusedMoE) and m.quantized))
+        dense += int(sum((2 if stack == "w13" else 1) * m.num_experts * m.hidden_size * m.intermediate_size * per_weight
+                         for m in skeleton.modules() if isinstance(m, FusedMoE)
+                         for stack in m.STACKS if m.is_quantized(stack)))
         kv = self.config.kv_cache_memory_bytes or (0 if self.config.num_kv_blocks else CPU_DEFAULT_KV_CACHE_BYTES)
         dtype = str(self.dtype).replace("torch.", "")
         return {f"weights ({dtype})": weights, "4-bit layers dequantized for the CPU GEMM": dense,

@@ -152,8 +152,8 @@ def load_safetensors_weights(model: torch.nn.Module, tensors: Iterable[tuple[str
     for n in stacked_parameter_names(model):
         del params[n]
     experts = expert_views(model)
-    quant_modules.update({n: v for n, v in experts.items() if v.moe.quantized})
-    dense_experts = {f"{n}.weight": v for n, v in experts.items() if not v.moe.quantized}
+    quant_modules.update({n: v for n, v in experts.items() if v.quantized})
+    dense_experts = {f"{n}.weight": v for n, v in experts.items() if not v.quantized}
     quant = QuantizedLoader(qc or {"quant_method": "awq"}, quant_modules, tensor_names, file_of) \
         if quant_modules else None
     tied = getattr(model, "tie_word_embeddings", False)

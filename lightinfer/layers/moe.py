@@ -92,12 +92,15 @@ class FusedMoE(nn.Module):
     Args:
         num_experts, hidden_size, intermediate_size: E, H and I (one expert's MLP width).
         dtype: activation dtype (dense weights, W4 scales and zeros).
-        group_size: None for dense experts, else the W4 group size of the gate/up projections (K = H) and,
-            as ``down_group_size``, of the down projection (K = I).
+        group_size: the W4 group size of the gate/up stack (K = H), or None for a dense stack;
+            ``down_group_size`` the same for the down stack (K = I). The stacks may differ (a GGUF Q4_K_M file
+            stores some layers' down experts in Q6_K, which load dense).
         prefix: the experts' checkpoint prefix (``model.layers.0.mlp.experts``); expert e's projections are
             ``{prefix}.{e}.{name}`` for the three ``proj_names`` (gate, up, down: Mixtral's are w1, w3, w2).
         layer_idx: the decoder layer (for :func:`experts_in_host_memory`).
     """
+
+    STACKS = ("w13", "w2")
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
                  group_size: int | None, down_group_size: int | None, prefix: str,
@@ -108,34 +111,53 @@ class FusedMoE(nn.Module):
         self.prefix, self.proj_names, self.layer_idx = prefix, proj_names, layer_idx
         self.on_host = layer_idx in _host_layers and torch.get_default_device().type != "meta"
         dev = torch.device("cpu") if self.on_host else None
-        self.quantized = group_size is not None
-        if self.quantized:
-            g2 = down_group_size or group_size
-            if h % group_size or i % g2 or i % 8 or h % 8:
-                raise ValueError(f"{prefix}: hidden {h} / intermediate {i} do not fit 4-bit groups of {group_size} / {g2}")
-            self.group_size, self.down_group_size = group_size, g2
-            for name, (n, k, g) in (("w13", (2 * i, h, group_size)), ("w2", (h, i, g2))):
+        self.group_sizes = {"w13": group_size or 0, "w2": down_group_size or 0}
+        for name, (n, k) in (("w13", (2 * i, h)), ("w2", (h, i))):
+            g = self.group_sizes[name]
+            if g:
+                if k % g or k % 8 or n % 8:
+                    raise ValueError(f"{prefix}: a {k} -> {n} expert projection does not fit 4-bit groups of {g}")
                 self.register_buffer(f"{name}_qweight", torch.zeros(e, n, k // 8, dtype=torch.int32, device=dev))
                 self.register_buffer(f"{name}_scales", torch.zeros(e, k // g, n, dtype=dtype, device=dev))
                 self.register_buffer(f"{name}_zeros", torch.zeros(e, k // g, n, dtype=dtype, device=dev))
-        else:
-            self.group_size = self.down_group_size = 0
-            self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype, device=dev), requires_grad=False)
-            self.w2_weight = nn.Parameter(torch.empty(e, h, i, dtype=dtype, device=dev), requires_grad=False)
+            else:
+                setattr(self, f"{name}_weight",
+                        nn.Parameter(torch.empty(e, n, k, dtype=dtype, device=dev), requires_grad=False))
         self._prepared: tuple[object | None, object | None] = (None, None)  # a backend's own copy (moe_cpu.py)
+
+    def is_quantized(self, stack: str) -> bool:
+        """Whether stack ``"w13"`` (gate/up) or ``"w2"`` (down) is W4 (else dense)."""
+        return bool(self.group_sizes[stack])
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any stack is W4."""
+        return any(self.group_sizes.values())
+
+    @property
+    def group_size(self) -> int:
+        """The gate/up stack's W4 group size (0: dense)."""
+        return self.group_sizes["w13"]
+
+    @property
+    def down_group_size(self) -> int:
+        """The down stack's W4 group size (0: dense)."""
+        return self.group_sizes["w2"]
 
     @property
     def stacked_parameter_names(self) -> tuple[str, ...]:
-        """Names of the stacked parameters, which no checkpoint holds by these names (the loader skips them)."""
-        return () if self.quantized else ("w13_weight", "w2_weight")
+        """Names of the dense stacks' parameters, which no checkpoint holds by these names (the loader skips them)."""
+        return tuple(f"{s}_weight" for s in self.STACKS if not self.is_quantized(s))
+
+    def _stack(self, name: str, prepared: object | None) -> ExpertWeights:
+        if self.is_quantized(name):
+            return ExpertWeights(qweight=getattr(self, f"{name}_qweight"), scales=getattr(self, f"{name}_scales"),
+                                 zeros=getattr(self, f"{name}_zeros"), prepared=prepared)
+        return ExpertWeights(weight=getattr(self, f"{name}_weight"), prepared=prepared)
 
     def expert_weights(self) -> tuple[ExpertWeights, ExpertWeights]:
         """``(w13, w2)`` as the ops take them (views of this module's tensors)."""
-        p13, p2 = self._prepared
-        if self.quantized:
-            return (ExpertWeights(qweight=self.w13_qweight, scales=self.w13_scales, zeros=self.w13_zeros, prepared=p13),
-                    ExpertWeights(qweight=self.w2_qweight, scales=self.w2_scales, zeros=self.w2_zeros, prepared=p2))
-        return ExpertWeights(weight=self.w13_weight, prepared=p13), ExpertWeights(weight=self.w2_weight, prepared=p2)
+        return self._stack("w13", self._prepared[0]), self._stack("w2", self._prepared[1])
 
     def weights_changed(self) -> None:
         """Drop prepared copies (after a load or an in-place change of the stacked tensors)."""
@@ -153,11 +175,11 @@ class FusedMoE(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return (self.w13_qweight if self.quantized else self.w13_weight).device
+        return self.expert_weights()[0].device
 
     @property
     def dtype(self) -> torch.dtype:
-        return (self.w13_scales if self.quantized else self.w13_weight).dtype
+        return self.expert_weights()[0].dtype
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """``x [T, H]``, ``topk_weights`` float ``[T, top_k]``, ``topk_ids`` int ``[T, top_k]`` -> ``[T, H]``."""
@@ -176,26 +198,22 @@ def make_experts(num_experts: int, hidden_size: int, intermediate_size: int, dty
                                                                                              "down_proj"),
                  layer_idx: int = -1) -> FusedMoE:
     """The :class:`FusedMoE` for experts stored as ``quant_config`` says (``formats.scheme.linear_format`` of
-    each expert projection ``{prefix}.{e}.{name}``): W4 or dense, one format for all of them.
+    each expert projection ``{prefix}.{e}.{name}``): each stack (gate/up, down) W4 when all its projections are
+    4-bit with one group size, else dense (8-bit codes, e.g. GGUF Q6_K, are dequantized once at load).
 
     Raises:
-        ValueError: experts stored in different formats, or in one the stacks cannot hold (8-bit).
+        ValueError: a stack whose experts are 4-bit with different group sizes.
     """
     from lightinfer.formats.scheme import linear_format
 
-    formats = {}
-    for e in range(num_experts if quant_config is not None else 0):
-        for name, k in zip(proj_names, (hidden_size, hidden_size, intermediate_size)):
-            fmt = linear_format(quant_config, f"{prefix}.{e}.{name}")
-            formats[(fmt.kind, fmt.runtime_group_size(k) if fmt.kind == "w4" else 0, name == proj_names[2])] = fmt
-    kinds = {kind for kind, _, _ in formats}
-    if len(kinds) > 1 or len({key for key in formats if not key[2]}) > 1 or len({key for key in formats if key[2]}) > 1:
-        raise ValueError(f"{prefix}: the experts are stored in several formats "
-                         f"({', '.join(sorted({f.describe() for f in formats.values()}))}); the stacked experts of a "
-                         f"layer need one (W4 with one group size, or dense)")
-    if kinds - {"w4", "dense"}:
-        raise ValueError(f"{prefix}: experts stored as {next(iter(formats.values())).describe()} are not supported; "
-                         f"MoE experts run 4-bit (AWQ / GPTQ / compressed-tensors / GGUF 4-bit types) or dense")
-    groups = {down: g for (kind, g, down) in formats if kind == "w4"}
-    return FusedMoE(num_experts, hidden_size, intermediate_size, dtype, groups.get(False), groups.get(True), prefix,
-                    proj_names, layer_idx)
+    groups: list[int | None] = []
+    for names, k in ((proj_names[:2], hidden_size), (proj_names[2:], intermediate_size)):
+        kinds = {(fmt.kind, fmt.runtime_group_size(k) if fmt.kind == "w4" else 0)
+                 for e in range(num_experts if quant_config is not None else 0) for name in names
+                 for fmt in (linear_format(quant_config, f"{prefix}.{e}.{name}"),)}
+        if len({g for kind, g in kinds if kind == "w4"}) > 1:
+            raise ValueError(f"{prefix}: the experts' {'/'.join(names)} projections are 4-bit with several group "
+                             f"sizes ({sorted(g for _, g in kinds)}); one stacked tensor needs one")
+        groups.append(kinds.pop()[1] if len(kinds) == 1 and next(iter(kinds))[0] == "w4" else None)
+    return FusedMoE(num_experts, hidden_size, intermediate_size, dtype, groups[0], groups[1], prefix, proj_names,
+                    layer_idx)

@@ -36,7 +36,8 @@ class ExpertLinearView:
         self.stack = "w2" if part == "down" else "w13"
         self.rows = slice(0, h) if part == "down" else slice(0, i) if part == "gate" else slice(i, 2 * i)
         self.in_features, self.out_features = (i, h) if part == "down" else (h, i)
-        self.group_size = (moe.down_group_size if part == "down" else moe.group_size) if moe.quantized else 0
+        self.quantized = moe.is_quantized(self.stack)
+        self.group_size = moe.group_sizes[self.stack]
         self.bias = None
         self.name = f"{moe.prefix}.{expert}.{moe.proj_names[PARTS.index(part)]}"
 
@@ -74,7 +75,7 @@ class ExpertLinearView:
         Raises:
             ValueError: a shape mismatch, or experts stored 4-bit.
         """
-        if self.moe.quantized:
+        if self.quantized:
             raise ValueError(f"{self.name}: a dense weight for experts the model holds in 4 bits; the checkpoint's "
                              f"experts must all share one format")
         self._check("weight", weight.shape, (self.out_features, self.in_features))
@@ -97,7 +98,7 @@ class ExpertLinearView:
             ValueError: shapes that do not match, experts stored dense, or an act-order ``input_perm``
                 (each expert would need its own input order: not supported for experts).
         """
-        if not self.moe.quantized:
+        if not self.quantized:
             raise ValueError(f"{self.name}: 4-bit tensors for experts the model holds dense")
         if input_perm is not None:
             raise ValueError(f"{self.name}: act-order (GPTQ desc_act / compressed-tensors actorder) experts are not "
@@ -113,7 +114,7 @@ class ExpertLinearView:
 
     def dense_weight(self) -> torch.Tensor:
         """The projection's weight ``[out, in]`` (dequantized for W4) in the layer's dtype."""
-        if not self.moe.quantized:
+        if not self.quantized:
             return self.weight
         from lightinfer.kernels import dequantize_w4
 
