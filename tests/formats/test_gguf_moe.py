@@ -98,7 +98,8 @@ def test_quantize_from_a_moe_gguf_equals_quantize_from_the_same_weights(tmp_path
         assert summary.moe_experts == 8
     with safe_open(str(tmp_path / "q_gguf" / "model.safetensors"), framework="pt") as a, \
             safe_open(str(tmp_path / "q_hf" / "model.safetensors"), framework="pt") as b:
-        assert set(a.keys()) == set(b.keys())
-        assert "model.layers.1.mlp.experts.3.down_proj.qweight" in a.keys()
-        for name in a.keys():
+        names = set(a.keys())
+        assert names == set(b.keys())
+        assert "model.layers.1.mlp.experts.3.down_proj.qweight" in names
+        for name in names:
             assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
