@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from lightinfer.models.awq_tables import MIXTRAL_TABLE
 from lightinfer.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from lightinfer.models.moe import MoeCausalLMMixin, MoeDecoderMixin, MoeSpec
+from lightinfer.models.moe import MoeCausalLMMixin, MoeDecoderMixin
+from lightinfer.models.moe_spec import MoeSpec
 
 MIXTRAL = MoeSpec(num_experts="num_local_experts", intermediate="intermediate_size", block_name="block_sparse_moe",
                   proj_names=("w1", "w3", "w2"), norm_topk_field=None, sparse_step=False)

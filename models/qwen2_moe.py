@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from lightinfer.models.awq_tables import QWEN2_MOE_TABLE
 from lightinfer.models.llama import LlamaForCausalLM
-from lightinfer.models.moe import MoeCausalLMMixin, MoeDecoderMixin, MoeSpec
+from lightinfer.models.moe import MoeCausalLMMixin, MoeDecoderMixin
+from lightinfer.models.moe_spec import MoeSpec
 from lightinfer.models.qwen2 import Qwen2DecoderLayer
 
 QWEN2_MOE = MoeSpec(num_experts="num_experts", intermediate="moe_intermediate_size",

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from lightinfer.models.awq_tables import QWEN3_MOE_TABLE
 from lightinfer.models.llama import LlamaForCausalLM
-from lightinfer.models.moe import MoeCausalLMMixin, MoeDecoderMixin, MoeSpec
+from lightinfer.models.moe import MoeCausalLMMixin, MoeDecoderMixin
+from lightinfer.models.moe_spec import MoeSpec
 from lightinfer.models.qwen3 import Qwen3DecoderLayer
 
 QWEN3_MOE = MoeSpec(num_experts="num_experts", intermediate="moe_intermediate_size")

@@ -3,10 +3,7 @@ what the memory plan, ``fit`` and the 12 GB advice need before a checkpoint is o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from lightinfer.models.moe import MoeSpec
+from lightinfer.models.moe_spec import MoeSpec
 
 # Parts, in the order a report lists them.
 PARTS = ("embed_tokens", "lm_head", "attention", "mlp", "experts", "router and shared experts", "norms")

@@ -183,12 +183,14 @@ def quantize(
                 prefix = f"model.layers.{i}"
                 if cfg.method == "awq":
                     from lightinfer.quant.awq import quantize_layer
+                    from lightinfer.quant.awq_moe import quantize_moe_block
 
                     layer = model_cls.decoder_layer_cls(hf, i, quant_config=None, dtype=torch.float32)
                     load_layer(layer, prefix, get_tensor)
                     layer.to(device)
                     lt, hidden, info = quantize_layer(
-                        layer, tables[i], hidden, seq_len, group_size, cfg.n_grid, cfg.max_shrink, prefix, keep_fp)
+                        layer, tables[i], hidden, seq_len, group_size, cfg.n_grid, cfg.max_shrink, prefix, keep_fp,
+                        quantize_moe_block)
                     del layer
                     layer_info.append(info)
                     moe_experts += int(info.get("moe.num_experts", 0))

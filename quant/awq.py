@@ -29,7 +29,9 @@ calibration batch feeds the next layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -224,6 +226,7 @@ def quantize_layer(
     max_shrink: float,
     prefix: str,
     keep_fp: tuple[str, ...] = (),
+    moe_quantizer: Callable[..., Any] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[torch.Tensor], dict[str, float]]:
     """AWQ on one decoder layer (fp32, on the layer's device).
 
@@ -233,6 +236,8 @@ def quantize_layer(
         prefix: ``model.layers.{i}`` for tensor names and error messages.
         keep_fp: linears of the table left in full precision (``modules_to_not_convert``); their
             scales are still folded, their weights stored as fp16 ``.weight``.
+        moe_quantizer: for a table with a MoE block, what quantizes it (``quant/awq_moe.quantize_moe_block``,
+            passed in so that this module does not import that one, which builds on this one).
     Returns:
         ``(tensors, output chunks, info)``: ``tensors`` maps checkpoint names to CPU tensors
         (``.qweight/.qzeros/.scales`` of each quantized linear; norms, biases and other
@@ -281,10 +286,10 @@ def quantize_layer(
         tensors[f"{prefix}.{name}.qzeros"] = qzeros.cpu()
         tensors[f"{prefix}.{name}.scales"] = sc.cpu()
     quantized_weights = {f"{n}.weight" for n in table.linears if n not in keep_fp}
-    if table.moe is not None:  # the sparse block: quant/awq_moe.py (after the attention groups, as in forward order)
-        from lightinfer.quant.awq_moe import quantize_moe_block
-
-        moe = quantize_moe_block(layer, table.moe, moe_inputs, prefix, group_size, n_grid, max_shrink)
+    if table.moe is not None:  # the sparse block (after the attention groups, as in forward order)
+        if moe_quantizer is None:
+            raise ValueError(f"{prefix}: a MoE layer needs moe_quantizer (quant/awq_moe.quantize_moe_block)")
+        moe = moe_quantizer(layer, table.moe, moe_inputs, prefix, group_size, n_grid, max_shrink)
         tensors.update(moe.tensors)
         quantized_weights |= moe.replaced
         info.update(moe.info)
