@@ -82,6 +82,18 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
         return cls.awq_table
 
     @classmethod
+    def weight_bytes_by_part(cls, hf_config: object, bits: int = 16, group_size: int = 128,
+                             dtype_bytes: int = 2) -> dict[str, int]:
+        """Weight bytes by part (embedding, LM head, attention, MLP, experts...) from the config alone, the
+        decoder linears at ``bits`` (16: dense) with ``group_size``: what a memory plan or ``fit`` needs before a
+        checkpoint is read. Architectures implement it (``models/sizes.py`` has the Llama family's arithmetic).
+
+        Raises:
+            NotImplementedError: the architecture does not implement it.
+        """
+        raise NotImplementedError(f"{cls.__name__} does not compute its weight bytes from the config")
+
+    @classmethod
     def moe_layer_ids(cls, hf_config: object) -> list[int]:
         """The decoder layers with a sparse mixture-of-experts block (none for a dense model)."""
         return []

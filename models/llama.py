@@ -226,6 +226,17 @@ class LlamaForCausalLM(CausalLM):
         return {"hidden_size": hf_config.hidden_size, "intermediate_size": hf_config.intermediate_size,
                 "num_attention_heads * head_dim": hf_config.num_attention_heads * head_dim_of(hf_config)}
 
+    @classmethod
+    def weight_bytes_by_part(cls, hf_config: object, bits: int = 16, group_size: int = 128,
+                             dtype_bytes: int = 2) -> dict[str, int]:
+        """Weight bytes by part from the config alone (``models/sizes.py``: embedding, head, attention, MLP...),
+        the decoder linears at ``bits`` (16: dense; 4: the W4 layout with ``group_size``)."""
+        from lightinfer.models.sizes import llama_family_weight_bytes
+
+        layer = cls.decoder_layer_cls
+        return llama_family_weight_bytes(hf_config, None, bits, group_size, dtype_bytes, head_dim_of(hf_config),
+                                         qkv_bias=bool(layer.qkv_bias), qk_norm=bool(layer.qk_norm))
+
     def forward(
         self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -180,6 +180,7 @@ def load_safetensors_weights(model: torch.nn.Module, tensors: Iterable[tuple[str
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:5])}")
     report = dict(quant.done) if quant is not None else {}
+    report.update({n[: -len(".weight")]: "dense" for n in dense_experts})
     for n, m in model.named_modules():
         if isinstance(m, Linear) or n in ("model.embed_tokens", "lm_head"):
             report[n] = "tied to embed_tokens" if tied and n == "lm_head" else "dense"

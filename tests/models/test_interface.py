@@ -105,6 +105,10 @@ def test_every_registered_class_implements_the_interface(arch: str) -> None:
     assert cls.linear_input_sizes(cfg) == {"hidden_size": 96, "intermediate_size": 160,
                                            "num_attention_heads * head_dim": 6 * head_dim_of(cfg)}
     assert arch in quantizable_architectures()
+    with torch.device("meta"):
+        dense = cls(cfg, None, torch.float16)
+    parts = cls.weight_bytes_by_part(cfg, bits=16, dtype_bytes=2)  # arithmetic = what the built model holds
+    assert sum(parts.values()) == sum(t.numel() * 2 for t in dense.state_dict().values()) and parts["experts"] == 0
 
 
 def test_the_default_linear_input_sizes_come_from_the_layer() -> None:
