@@ -113,17 +113,17 @@ class ModelRunner:
             skeleton = model_cls(checkpoint.hf_config, checkpoint.quant_config, self.dtype)
         weights = module_bytes(skeleton)
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        # On a CPU every 4-bit layer also keeps its weight dequantized once (W4A16Linear.pack_for_cpu); 4-bit MoE
-        # experts too in fp32 (16-bit engines keep them 4-bit for torch's int4 GEMM: about their own size again).
+        # On a CPU every 4-bit layer also keeps its weight dequantized once (W4A16Linear.pack_for_cpu). MoE experts
+        # keep a CPU copy too (kernels/moe_cpu.py): fp32 engines a prepacked fp32 one, 16-bit engines a 4-bit one
+        # for torch's int4 GEMM (dense 16-bit experts none).
         dense = sum(m.in_features * m.out_features * elem for m in skeleton.modules()
                     if isinstance(m, (W4A16Linear, W8A16Linear)))
-        per_weight = elem if elem == 4 else 0.5
-        dense += int(sum((2 if stack == "w13" else 1) * m.num_experts * m.hidden_size * m.intermediate_size * per_weight
-                         for m in skeleton.modules() if isinstance(m, FusedMoE)
-                         for stack in m.STACKS if m.is_quantized(stack)))
+        dense += int(sum((2 if stack == "w13" else 1) * m.num_experts * m.hidden_size * m.intermediate_size
+                         * (4 if elem == 4 else 0.5 if m.is_quantized(stack) else 0)
+                         for m in skeleton.modules() if isinstance(m, FusedMoE) for stack in m.STACKS))
         kv = self.config.kv_cache_memory_bytes or (0 if self.config.num_kv_blocks else CPU_DEFAULT_KV_CACHE_BYTES)
         dtype = str(self.dtype).replace("torch.", "")
-        return {f"weights ({dtype})": weights, "4-bit layers dequantized for the CPU GEMM": dense,
+        return {f"weights ({dtype})": weights, "4-bit layers dequantized and MoE experts prepacked for the CPU": dense,
                 "KV pool": int(kv)}
 
     # ------------------------------------------------------------------ KV pool

@@ -8,7 +8,13 @@ import torch
 
 from lightinfer.kernels import get_backend
 from lightinfer.kernels import reference as ref
-from lightinfer.kernels.moe_cpu import choose_kind, int4_gemm_available, prepare_experts, prepared_for
+from lightinfer.kernels.moe_cpu import (
+    choose_kind,
+    int4_gemm_available,
+    onednn_available,
+    prepare_experts,
+    prepared_for,
+)
 from tests.kernels.test_triton_fused_moe import TOL, dense_experts, routed, w4_experts
 
 
@@ -23,8 +29,9 @@ def test_w4_matches_reference(dtype: torch.dtype, t: int) -> None:
     weights, ids = routed(t, e, 2, gen)
     got = get_backend("torch_cpu").fused_moe(x, w13, w2, weights, ids)
     torch.testing.assert_close(got.float(), ref.fused_moe(x, w13, w2, weights, ids).float(), **TOL[dtype])
-    # fp32: dense (exact); 16-bit: torch's int4 GEMM, half a byte per weight
-    want_kind = "int4" if dtype != torch.float32 and int4_gemm_available() else "dense"
+    # fp32: oneDNN's prepacked GEMM (exact); 16-bit: torch's int4 GEMM, half a byte per weight
+    want_kind = ("int4" if int4_gemm_available() else "dense") if dtype != torch.float32 else (
+        "onednn" if onednn_available() else "dense")
     assert w13.prepared.kind == w2.prepared.kind == want_kind
 
 
@@ -56,10 +63,23 @@ def test_prepared_once_and_kinds() -> None:
     gen = torch.Generator().manual_seed(9)
     w = w4_experts(2, 48, 64, 32, torch.bfloat16, gen)
     assert choose_kind(w, torch.bfloat16) == ("int4" if int4_gemm_available() else "dense")
-    assert choose_kind(w, torch.float32) == "dense"
+    assert choose_kind(w, torch.float32) == ("onednn" if onednn_available() else "dense")
     odd = w4_experts(2, 40, 64, 32, torch.bfloat16, gen)  # N not a multiple of 16: torch's int4 GEMM refuses
     assert choose_kind(odd, torch.bfloat16) == "dense"
     first = prepared_for(w, torch.bfloat16)
     assert prepared_for(w, torch.bfloat16) is first  # kept, not made again
     dense = prepare_experts(w, torch.float32, "dense")
     torch.testing.assert_close(dense.weight[1], ref.dequantize_w4(w.qweight[1], w.scales[1], w.zeros[1]).float())
+
+
+@pytest.mark.parametrize("kind", ["dense", "onednn"])
+def test_fp32_kinds_agree(kind: str) -> None:
+    if kind == "onednn" and not onednn_available():
+        pytest.skip("no oneDNN prepacked GEMM in this torch build")
+    gen = torch.Generator().manual_seed(10)
+    w13, w2 = w4_experts(4, 64, 32, 32, torch.float32, gen), dense_experts(4, 32, 32, torch.float32, gen)
+    w13.prepared, w2.prepared = prepare_experts(w13, torch.float32, kind), prepare_experts(w2, torch.float32, kind)
+    x = torch.randn(6, 32, generator=gen)
+    weights, ids = routed(6, 4, 2, gen)
+    torch.testing.assert_close(get_backend("torch_cpu").fused_moe(x, w13, w2, weights, ids),
+                               ref.fused_moe(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
