@@ -166,6 +166,7 @@ def quantize_moe_block(layer: nn.Module, moe: MoeAwq, inputs: list[torch.Tensor]
     if shared is not None:
         out.tensors.update(_quantize_shared(layer, moe, x, prefix, group_size, n_grid, max_shrink, awq))
         out.replaced |= {f"{p}.weight" for p in moe.shared_linears()}
+    experts.weights_changed()  # the stacks were folded in place: a CPU copy made by a forward is stale
     return out
 
 

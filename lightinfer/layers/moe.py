@@ -163,6 +163,11 @@ class FusedMoE(nn.Module):
         """Drop prepared copies (after a load or an in-place change of the stacked tensors)."""
         self._prepared = (None, None)
 
+    def __getstate__(self) -> dict:
+        # copies and pickles leave the prepared CPU copy behind (oneDNN's packed tensors cannot be copied); it is
+        # made again on the first forward
+        return {**self.__dict__, "_prepared": (None, None)}
+
     def pack_for_cpu(self) -> None:
         """Prepare the experts for the CPU GEMMs once (``kernels/moe_cpu.py``), for activations of this layer's
         dtype; a no-op for experts in GPU memory."""

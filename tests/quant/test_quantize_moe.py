@@ -114,6 +114,7 @@ def _moe_error(awq: bool) -> float:
                      for n in ("gate_proj", "up_proj", "down_proj")]
             q.mlp.experts.w13_weight[e, :inter], q.mlp.experts.w13_weight[e, inter:] = parts[0], parts[1]
             q.mlp.experts.w2_weight[e] = parts[2]
+        q.mlp.experts.weights_changed()
         return float((moe_part(q, x_eval) - ref).pow(2).mean() / ref.pow(2).mean())
 
 
