@@ -4,7 +4,8 @@ For the MoE layers of Qwen3-30B-A3B (128 experts, top-8, H 2048, expert width 76
 top-2, H 4096, width 14336), W4 g128 experts, fp16 activations, and each batch of ``T`` tokens, one run times:
 
 * ``fused``: ``kernels/fused_moe.py`` (token sort + gate/up+SiLU launch + down launch + top-k sum);
-* ``per_expert_loop``: what an engine without the kernel does, the ``transformers`` loop with our W4A16 GEMM:
+* ``per_expert_loop``: what an engine without the kernel does, the ``transformers`` loop with our W4A16 GEMM
+  (its fast integer-zero decode: the bench's zeros are 8):
   for every expert that received tokens, gather them, W4 gate/up GEMM, SiLU-and-mul, W4 down GEMM, weighted
   ``index_add_`` (eager: it reads the routing on the host);
 * ``dense_w4_same_active``: one dense W4 MLP as wide as the experts one token uses (``top_k x`` the expert
@@ -56,16 +57,16 @@ def per_expert_loop(ops: Any, x: torch.Tensor, w13: Any, w2: Any, weights: torch
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(ids).tolist():
         tok, slot = torch.where(ids == e)
-        h = ops.w4a16_gemm(x[tok], w13.qweight[e], w13.scales[e], w13.zeros[e])
-        y = ops.w4a16_gemm(ops.silu_and_mul(h), w2.qweight[e], w2.scales[e], w2.zeros[e])
+        h = ops.w4a16_gemm(x[tok], w13.qweight[e], w13.scales[e], w13.zeros[e], integer_zeros=True)
+        y = ops.w4a16_gemm(ops.silu_and_mul(h), w2.qweight[e], w2.scales[e], w2.zeros[e], integer_zeros=True)
         out.index_add_(0, tok, y.float() * weights[tok, slot, None])
     return out.to(x.dtype)
 
 
 def dense_same_active(ops: Any, x: torch.Tensor, gate_up: Any, down: Any) -> torch.Tensor:
     """One W4 MLP (``gate_up`` ``[2 k I, H]``, ``down`` ``[H, k I]``, single-expert ExpertWeights)."""
-    h = ops.w4a16_gemm(x, gate_up.qweight[0], gate_up.scales[0], gate_up.zeros[0])
-    return ops.w4a16_gemm(ops.silu_and_mul(h), down.qweight[0], down.scales[0], down.zeros[0])
+    h = ops.w4a16_gemm(x, gate_up.qweight[0], gate_up.scales[0], gate_up.zeros[0], integer_zeros=True)
+    return ops.w4a16_gemm(ops.silu_and_mul(h), down.qweight[0], down.scales[0], down.zeros[0], integer_zeros=True)
 
 
 def timer(device: torch.device, quick: bool) -> Callable[[Callable[[], Any], bool], float]:

@@ -70,6 +70,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             module.weight.fill_(1.0)
         elif isinstance(module, W4A16Linear):
             _fill_w4(module.qweight, module.scales, module.zeros, gen(module.qweight))
+            module.integer_zeros = True
         elif isinstance(module, FusedMoE):
             for stack in (s for s in module.STACKS if module.is_quantized(s)):
                 qweight = getattr(module, f"{stack}_qweight")
