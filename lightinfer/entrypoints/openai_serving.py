@@ -94,6 +94,11 @@ class OpenAIServing:
             raise as_openai_error(exc) from exc
         except ValueError as exc:  # e.g. a model without a chat template
             raise OpenAIError(400, str(exc), param="messages") from exc
+        if calling is not None:
+            try:
+                calling.check_compatible(structured)  # before the context check: the request itself is wrong
+            except InputError as exc:
+                raise as_openai_error(exc) from exc
         params = self.sampling_params(req, len(prompt.prompt_token_ids), req.max_completion_tokens or req.max_tokens,
                                       top, structured=structured)
         if calling is not None:

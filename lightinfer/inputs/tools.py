@@ -218,14 +218,19 @@ class ToolCalling:
         must see; the grammar keeps every other special token out of the reply).
 
         Raises:
-            InputError: ``params`` already has a ``structured_outputs`` (``param="tool_choice"``).
+            InputError: ``params`` already has a ``structured_outputs`` (see :meth:`check_compatible`).
         """
-        if params.structured_outputs is not None:
+        self.check_compatible(params.structured_outputs)
+        return dataclasses.replace(params, structured_outputs=self.grammar, skip_special_tokens=False)
+
+    def check_compatible(self, structured_outputs: StructuredOutputs | None) -> None:
+        """Raise :class:`InputError` (``param="tool_choice"``) when the request also has a response format:
+        the reply cannot be constrained to both."""
+        if structured_outputs is not None:
             raise InputError(f"tool_choice {self.choice.mode!r} with tools constrains the reply to text and tool "
                              "calls, which cannot be combined with a response format (response_format / "
                              "structured_outputs): set tool_choice to \"none\" for a structured answer, or leave "
                              "the response format out", param="tool_choice")
-        return dataclasses.replace(params, structured_outputs=self.grammar, skip_special_tokens=False)
 
     def stream_parser(self) -> ToolCallStreamParser:
         """A fresh streaming parser (one per completion) yielding OpenAI ``delta`` dicts."""

@@ -92,17 +92,22 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequ
 def _apply_on_cpu(logits: torch.Tensor, bitmask: torch.Tensor, idx: list[int], whole: bool,
                   vocab: int) -> torch.Tensor:
     """:func:`apply_token_bitmask_` on the CPU: the *disallowed* bits are unpacked (one numpy pass over the
-    inverted words) and written into each constrained row in place; no row of logits is copied."""
+    inverted words) and written into each constrained row in place, no row of logits copied. numpy does the
+    writes (fp32/fp16): single-threaded, so a step's few milliseconds of masking never wait on torch's
+    intra-op thread pool, whose threads spin against other work on a busy CPU."""
     words = bitmask if whole else bitmask.index_select(0, torch.tensor(idx, dtype=torch.long))
     raw = np.bitwise_not(np.ascontiguousarray(words.numpy())).view(np.uint8)
-    banned = torch.from_numpy(np.unpackbits(raw, axis=1, count=vocab, bitorder="little").view(np.bool_))
-    if whole:
-        logits[:, :vocab].masked_fill_(banned, float("-inf"))
-        logits[:, vocab:] = float("-inf")
+    banned = np.unpackbits(raw, axis=1, count=vocab, bitorder="little").view(np.bool_)
+    if logits.dtype not in (torch.float32, torch.float16, torch.float64):  # bfloat16: no numpy view
+        banned_t = torch.from_numpy(banned)
+        for j, r in enumerate(idx):
+            logits[r, :vocab].masked_fill_(banned_t[j], float("-inf"))
+            logits[r, vocab:] = float("-inf")
         return logits
+    rows = logits.numpy()
     for j, r in enumerate(idx):
-        logits[r, :vocab].masked_fill_(banned[j], float("-inf"))
-        logits[r, vocab:] = float("-inf")
+        np.putmask(rows[r, :vocab], banned[j], -np.inf)
+        rows[r, vocab:] = -np.inf
     return logits
 
 

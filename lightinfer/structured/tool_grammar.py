@@ -6,9 +6,9 @@ cannot contain the call marker, so once a call starts it is completed validly. "
 Each call's arguments follow the tool's ``parameters`` schema; the function name comes first.
 
 Reasoning models (Qwen3, QwQ, R1 distills) think first, in ``<think>...</think>``: with ``reasoning``
-the forced call ("required" / named) may (``"optional"``) or must (``"open"``: the prompt already opened
-the block) be preceded by that block, instead of cutting the thinking off. "auto" needs nothing: the
-free text before the calls holds it.
+the reply may (``"optional"``) or must (``"open"``: the prompt already opened the block) start with that
+block, then the answer as above, instead of cutting the thinking off (the forced call of "required") or
+making the model spell out a ``<think>`` token that the text rule excludes ("auto").
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 def _reasoning_start(mode: str, special: SpecialTokens) -> list[str]:
-    """The forced calls after a ``<think>...</think>`` block (``mode`` "optional" or "open")."""
+    """``start``: a ``<think>...</think>`` block (``mode`` "optional" or "open") then ``answer``."""
     open_tok, close_tok = _token(THINK_OPEN, special), _token(THINK_CLOSE, special)
     if close_tok is not None:  # a special token ends any text lexeme by itself
         lead = "" if mode == "open" else f"{open_tok or lark_literal(THINK_OPEN)} "
@@ -118,7 +118,7 @@ def _reasoning_start(mode: str, special: SpecialTokens) -> list[str]:
         lead = "" if mode == "open" else _regex_escape(THINK_OPEN)
         close = _regex_escape(THINK_CLOSE).replace("/", "\\/")  # "/" would end the Lark regex literal
         think = [f"think[lazy]: /{lead}(?s:.*){close}/"]
-    start = "start: think GAP? calls" if mode == "open" else "start: calls | think GAP? calls"
+    start = "start: think GAP? answer" if mode == "open" else "start: answer | think GAP? answer"
     return [start, *think, r"GAP: /[ \t\r\n]+/"]
 
 
@@ -151,10 +151,9 @@ def _lark(fmt: ToolCallFormat, tools: Sequence[ToolSpec], choice: ToolChoice, pa
         lines = [f"calls: {tag + '? ' if tag else ''}{body}", f"call: {call_json}"]
         # free text must not open with "{": that is a call
         auto = ["start: TEXT | calls", r"TEXT: /\s*[^{\s](?s:.*)/"]
-    if choice.mode == "auto":
-        start = auto
-    else:
-        start = _reasoning_start(reasoning, special) if reasoning else ["start: calls"]
+    start = list(auto) if choice.mode == "auto" else ["start: calls"]
+    if reasoning:  # the answer after a <think> block
+        start = [start[0].replace("start:", "answer:", 1), *start[1:], *_reasoning_start(reasoning, special)]
     return "\n".join([*start, *lines]) + "\n"
 
 
@@ -173,8 +172,8 @@ def build_tool_call_grammar(tools: Sequence[Any] | None, tool_choice: Any = None
             ``GrammarBackend.special_token_id``: markers that are special tokens (Mistral's
             ``[TOOL_CALLS]``, Llama's ``<|python_tag|>``) are matched as those tokens, which the
             model was trained to emit, instead of as text.
-        reasoning: None, "optional" (a forced call may follow a ``<think>...</think>`` block: a template
-            with thinking on) or "open" (the prompt ends inside ``<think>``: the output closes it first).
+        reasoning: None, "optional" (the reply may open with a ``<think>...</think>`` block: a template
+            with thinking on) or "open" (the prompt ends inside ``<think>``: the reply closes it first).
     Returns:
         A :class:`StructuredOutputs` holding a Lark grammar, or None for "none" / "auto" without tools.
     Raises:
