@@ -23,6 +23,7 @@ from lightinfer.structured.spec import (
     StructuredOutputs,
     StructuredOutputsError,
     check_llguidance_grammar,
+    close_objects,
     json_grammar,
     lark_literal,
 )
@@ -64,7 +65,7 @@ def _calls_schema(tools: Sequence[ToolSpec], key: str) -> dict[str, Any]:
     defs: dict[str, Any] = {}
     calls = []
     for i, t in enumerate(tools):
-        params = copy.deepcopy(t.parameters)
+        params = close_objects(copy.deepcopy(t.parameters))  # no invented argument names
         if _has_ref(params):
             base = f"tool_{i}_parameters"
             params.pop("$id", None)

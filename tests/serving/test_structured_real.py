@@ -4,17 +4,14 @@ server every real-model test shares): a 135M model gets these right only because
 from __future__ import annotations
 
 import json
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
 from conftest import LiveServer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.structured.conftest import load_cases  # noqa: E402
+from tests.structured.conftest import load_cases
 
 MODEL = "smollm2"
 CASES = load_cases()
@@ -84,8 +81,8 @@ def test_grammar_that_cannot_finish_ends_with_length(client: openai.OpenAI) -> N
 
 
 def _call(client: openai.OpenAI, tool_choice: object, stream: bool) -> tuple[str, str, str | None]:
-    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=80,
-                  temperature=0, parallel_tool_calls=False)
+    kwargs = {"model": MODEL, "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": tool_choice,
+              "max_tokens": 80, "temperature": 0, "parallel_tool_calls": False}
     if not stream:
         r = client.chat.completions.create(**kwargs)
         call = r.choices[0].message.tool_calls[0]
