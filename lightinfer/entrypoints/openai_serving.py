@@ -88,7 +88,8 @@ class OpenAIServing:
         messages = [m.to_message() for m in req.messages]
         try:
             prompt, calling = self.inputs.render_chat_tools(
-                messages, tools=req.tools, tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
+                messages, tools=req.tools, tool_choice=req.tool_choice,
+                parallel_tool_calls=req.parallel_tool_calls is not False,
                 add_generation_prompt=req.add_generation_prompt, chat_template_kwargs=req.chat_template_kwargs)
         except InputError as exc:
             raise as_openai_error(exc) from exc

@@ -195,7 +195,7 @@ class ChatCompletionRequest(_SamplingRequest):
     # checked by the input layer (parse_tools / parse_tool_choice), which names the bad field
     tools: Any = None
     tool_choice: Any = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None  # None: true (OpenAI's default)
 
     @field_validator("top_logprobs")
     @classmethod
