@@ -39,8 +39,8 @@ class SamplingParams:
         structured_outputs: constrain the output (constrained decoding): a
             :class:`lightinfer.structured.StructuredOutputs`, or a dict of its fields (vLLM's
             ``StructuredOutputsParams`` names): ``{"json": schema}`` (a dict, JSON string or pydantic
-            model class), ``{"json_object": True}``, ``{"regex": ...}``, ``{"choice": [...]}``,
-            ``{"grammar": lark_or_gbnf}``. A completion that reaches the grammar's end finishes with
+            model class; a pydantic class alone means the same), ``{"json_object": True}``,
+            ``{"regex": ...}``, ``{"choice": [...]}``, ``{"grammar": lark_or_gbnf}``. A completion that reaches the grammar's end finishes with
             reason "stop"; one cut off by ``max_tokens`` ends with "length" and valid-so-far text.
 
     Raises:
@@ -125,7 +125,8 @@ class SamplingParams:
 
 
 def as_structured_outputs(value: object) -> StructuredOutputs:
-    """``value`` (a :class:`StructuredOutputs` or a dict of its fields) as a StructuredOutputs.
+    """``value`` (a :class:`StructuredOutputs`, a dict of its fields, or a pydantic model class) as a
+    StructuredOutputs.
 
     Raises:
         ValueError (:class:`lightinfer.structured.StructuredOutputsError` for a bad constraint): another
@@ -135,6 +136,8 @@ def as_structured_outputs(value: object) -> StructuredOutputs:
 
     if isinstance(value, StructuredOutputs):
         return value
+    if isinstance(value, type) and hasattr(value, "model_json_schema"):  # a pydantic class: its JSON Schema
+        return StructuredOutputs(json=value)
     if not isinstance(value, dict):
         raise ValueError(  # noqa: TRY004 - every bad input is a ValueError here
             f"structured_outputs must be a StructuredOutputs or a dict such as {{'json': schema}}, "

@@ -128,3 +128,19 @@ def test_bad_constraints_are_refused_before_any_work(llm: LLM) -> None:
         llm.generate(PROMPTS[0], SamplingParams(structured_outputs={"json": {"type": "array", "uniqueItems": True}}),
                      use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_mask_filled_on_a_worker_thread_gives_the_same_tokens(llm: LLM) -> None:
+    """The CUDA default: the bitmask is filled while the forward runs; the result cannot depend on it."""
+    params = [SamplingParams(temperature=0.8, seed=s, max_tokens=120, structured_outputs={"json": SCHEMAS[name]})
+              for s, name in enumerate(["enum", "pattern", "array_bounds"])]
+    manager = llm.llm_engine.structured
+    inline = llm.generate(PROMPTS, params, use_tqdm=False)
+    manager.overlap = True
+    try:
+        threaded = llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        manager.overlap = False
+        manager.shutdown()
+    assert [o.outputs[0].token_ids for o in threaded] == [o.outputs[0].token_ids for o in inline]
+    assert all(o.outputs[0].finish_reason == "stop" for o in threaded)
