@@ -1,6 +1,7 @@
 """lightinfer: quantization-first LLM inference (AWQ W4A16 weights, INT8 paged KV cache).
 
-Public names: :class:`LLM`, :class:`SamplingParams`, :func:`pipeline`, :func:`quantize`.
+Public names: :class:`LLM`, :class:`SamplingParams`, :class:`StructuredOutputs`, :func:`pipeline`,
+:func:`quantize`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isfile(
 from lightinfer.llm import LLM, pipeline
 from lightinfer.outputs import CompletionOutput, RequestOutput
 from lightinfer.sampling_params import SamplingParams
+from lightinfer.structured import StructuredOutputs
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "pipeline", "quantize"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputs", "pipeline", "quantize"]
 __version__ = "0.1.0"
 
 

@@ -63,15 +63,7 @@ class LLM:
                 or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))):
             prompts = [prompts]  # type: ignore[list-item]  (one prompt; the input processor refuses other types)
         prompts = list(prompts)  # type: ignore[arg-type]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
-        bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
-        if bad is not None:
-            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(bad).__name__}; "
-                             f"e.g. SamplingParams(max_tokens=64)")
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
+        params = _params_per_prompt(sampling_params, len(prompts))
         processor = self.input_processor
         requests = [processor.process(p, sp) for p, sp in zip(prompts, params)]  # all checked before any is queued
         return self._run(requests, use_tqdm)
@@ -85,18 +77,30 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template.
 
         Args:
-            messages: ``[{"role", "content"}, ...]``, or a list of such conversations.
+            messages: ``[{"role", "content"}, ...]`` (OpenAI's shape: assistant ``tool_calls`` and
+                ``{"role": "tool", "tool_call_id", "content"}`` results too), or a list of conversations.
             sampling_params: one for all, or one per conversation (default: ``SamplingParams()``).
             use_tqdm: show a progress bar.
             add_generation_prompt: end the prompt with the assistant's header (the reply is generated).
-            tools: JSON-schema tool definitions, rendered by templates that support them.
+            tools: OpenAI tool definitions ``[{"type": "function", "function": {"name", "description",
+                "parameters"}}]``, rendered by the chat template (or a fallback tool prompt). Each output
+                then has ``tool_calls`` (its ``text`` is the text outside the calls; finish_reason
+                "tool_calls" when it called any); a call, once started, always parses and matches its
+                tool's ``parameters`` (constrained decoding).
             chat_template_kwargs: extra template variables (e.g. ``{"enable_thinking": False}``).
+            tool_choice: "auto" (default with tools: the model decides), "none", "required" (at least one
+                call) or ``{"type": "function", "function": {"name": ...}}`` (exactly that call).
+            parallel_tool_calls: allow several calls in one reply.
         Raises:
-            ValueError: see :func:`lightinfer.inputs.render_chat`, and :meth:`generate`.
+            ValueError: naming the field (bad tools, a tool_choice naming no tool, a tool message whose
+                tool_call_id matches no earlier call...); see :func:`lightinfer.inputs.render_chat`, and
+                :meth:`generate`.
         """
         if isinstance(messages, (str, dict)):
             raise ValueError(  # noqa: TRY004 - every bad input is a ValueError here
@@ -106,10 +110,21 @@ class LLM:
             raise ValueError("chat() got no messages: give a conversation (a list of {'role': ..., 'content': ...} "
                              "messages) or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        prompts = [self.input_processor.render_chat(
-            conv, add_generation_prompt=add_generation_prompt, tools=tools,  # type: ignore[arg-type]
-            chat_template_kwargs=chat_template_kwargs) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        params = _params_per_prompt(sampling_params, len(conversations))
+        prepared = [self.input_processor.process_chat(
+            conv, sp, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,  # type: ignore[arg-type]
+            add_generation_prompt=add_generation_prompt, chat_template_kwargs=chat_template_kwargs)
+            for conv, sp in zip(conversations, params)]  # all checked before any is queued
+        outputs = self._run([request for request, _ in prepared], use_tqdm)
+        for out, (_, calling) in zip(outputs, prepared):
+            if calling is None:
+                continue
+            for comp in out.outputs:
+                parsed = calling.parse(comp.text)
+                comp.text, comp.tool_calls = parsed.content or "", parsed.tool_calls
+                if parsed.tool_calls and comp.finish_reason == "stop":
+                    comp.finish_reason = "tool_calls"
+        return outputs
 
     def _run(self, requests: list[EngineRequest], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -163,6 +178,25 @@ class LLM:
                         return
         finally:
             engine.abort_request(rid)
+
+
+def _params_per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                       num_prompts: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt (a single one is shared; None: ``SamplingParams()``).
+
+    Raises:
+        ValueError: not SamplingParams, or a list of another length.
+    """
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * num_prompts
+    bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
+    if bad is not None:
+        raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(bad).__name__}; "
+                         f"e.g. SamplingParams(max_tokens=64)")
+    if len(params) != num_prompts:
+        raise ValueError(f"{len(params)} sampling params for {num_prompts} prompts: give one, or one per prompt")
+    return params
 
 
 @dataclass

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lightinfer.structured.tool_parser import ToolCall
 
 
 @dataclass
@@ -14,11 +18,14 @@ class CompletionOutput:
         text: the text so far; streamed ``text`` only ever grows (pieces held back while they
             could still become a stop string or an incomplete UTF-8 character).
         token_ids: generated token ids so far.
-        finish_reason: None while running, then "stop" (EOS, stop token or stop string),
-            "length" (max_tokens or the context is full) or "abort".
+        finish_reason: None while running, then "stop" (EOS, stop token, stop string, or the end of a
+            ``structured_outputs`` grammar), "length" (max_tokens or the context is full), "abort", or
+            (``LLM.chat`` with tools) "tool_calls" when the reply called tools.
         logprobs: when requested, one dict ``{token_id: logprob}`` per generated token.
         cumulative_logprob: sum of the sampled tokens' log-probabilities (when logprobs requested).
         stop_reason: the stop string or stop token id that ended it, if any.
+        tool_calls: ``LLM.chat`` with ``tools``: the calls the reply made (``id``, ``name``, ``arguments``
+            as a JSON string), ``text`` then holding only the text outside them; None without tools.
     """
 
     index: int
@@ -28,6 +35,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None
+    tool_calls: list[ToolCall] | None = None
 
     @property
     def finished(self) -> bool:

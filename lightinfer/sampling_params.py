@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightinfer.structured.spec import StructuredOutputs
 
 
 @dataclass
@@ -27,8 +31,17 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (besides EOS).
         ignore_eos: keep going after EOS (benchmarks).
         logprobs: when set, return the top-``logprobs`` log-probabilities of every sampled
-            token (the sampled token's own is always included).
+            token (the sampled token's own is always included). They are those of the distribution
+            the token was drawn from before penalties, temperature and top-k/p: with
+            ``structured_outputs``, after the grammar mask (as vLLM reports them), so tokens the
+            grammar forbids never show up and the allowed ones share all the probability.
         skip_special_tokens: drop special tokens from the returned text.
+        structured_outputs: constrain the output (constrained decoding): a
+            :class:`lightinfer.structured.StructuredOutputs`, or a dict of its fields (vLLM's
+            ``StructuredOutputsParams`` names): ``{"json": schema}`` (a dict, JSON string or pydantic
+            model class; a pydantic class alone means the same), ``{"json_object": True}``,
+            ``{"regex": ...}``, ``{"choice": [...]}``, ``{"grammar": lark_or_gbnf}``. A completion that reaches the grammar's end finishes with
+            reason "stop"; one cut off by ``max_tokens`` ends with "length" and valid-so-far text.
 
     Raises:
         ValueError: from :meth:`validate` (called in ``__post_init__``) naming the bad value.
@@ -50,6 +63,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -101,8 +115,35 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}")
+        if self.structured_outputs is not None:
+            self.structured_outputs = as_structured_outputs(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
         """True when the next token is the arg-max (temperature 0 or top_k 1)."""
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def as_structured_outputs(value: object) -> StructuredOutputs:
+    """``value`` (a :class:`StructuredOutputs`, a dict of its fields, or a pydantic model class) as a
+    StructuredOutputs.
+
+    Raises:
+        ValueError (:class:`lightinfer.structured.StructuredOutputsError` for a bad constraint): another
+            type, unknown keys, or what :class:`StructuredOutputs` refuses.
+    """
+    from lightinfer.structured.spec import StructuredOutputs  # llguidance loads only when it is used
+
+    if isinstance(value, StructuredOutputs):
+        return value
+    if isinstance(value, type) and hasattr(value, "model_json_schema"):  # a pydantic class: its JSON Schema
+        return StructuredOutputs(json=value)
+    if not isinstance(value, dict):
+        raise ValueError(  # noqa: TRY004 - every bad input is a ValueError here
+            f"structured_outputs must be a StructuredOutputs or a dict such as {{'json': schema}}, "
+            f"got {type(value).__name__}")
+    known = ("json", "json_object", "regex", "choice", "grammar")
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ValueError(f"structured_outputs: unknown key(s) {unknown}; use one of {', '.join(known)}")
+    return StructuredOutputs(**value)

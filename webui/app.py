@@ -9,6 +9,7 @@ Stop cancels the Gradio event, which closes the generator below, which aborts th
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import AsyncIterator
@@ -75,6 +76,33 @@ def engine_panel(engine: AsyncLLMEngine) -> str:
             f"({s.num_free_blocks}/{s.num_total_blocks} blocks free) · preemptions {s.num_preemptions}")
 
 
+def json_schema_constraint(text: str | None) -> dict[str, Any] | None:
+    """The sampling panel's "JSON schema" box as ``structured_outputs`` (None when blank).
+
+    Raises:
+        ValueError: the box holds no JSON, or a schema constrained decoding cannot take (the message says which).
+    """
+    if not text or not text.strip():
+        return None
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"the JSON schema box does not hold JSON ({e})") from None
+    from lightinfer.structured import StructuredOutputs
+
+    return {"json": StructuredOutputs(json=schema).json}  # checked now: a bad schema is a note, not a failure
+
+
+def format_json_reply(text: str) -> str:
+    """A reply constrained by a JSON schema, pretty-printed in a ``json`` code block (as it is when it does
+    not parse, e.g. cut off by the token limit)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return "```json\n" + json.dumps(value, indent=2, ensure_ascii=False) + "\n```"
+
+
 def _note(text: str) -> gr.ChatMessage:
     return gr.ChatMessage(role="assistant", content="", metadata={"title": text, "id": _STATS_TAG, "status": "done"})
 
@@ -94,14 +122,15 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
 
     async def respond(message: str | dict[str, Any], history: list[Any], system: str, temperature: float,
                       top_p: float, top_k: float, max_new_tokens: float, seed: float | None,
-                      ) -> AsyncIterator[str | list[gr.ChatMessage]]:
+                      json_schema: str = "") -> AsyncIterator[str | list[gr.ChatMessage]]:
         turns = history_messages(history) + [{"role": "user", "content": content_text(message)}]
         try:
             prompt, dropped, max_new = fit_context(inputs.tokenizer, system or "", turns, max_model_len,
                                                    int(max_new_tokens))
             params = SamplingParams(temperature=float(temperature), top_p=float(top_p),
                                     top_k=int(top_k) if top_k and int(top_k) > 0 else -1, max_tokens=max_new,
-                                    seed=int(seed) if seed is not None and seed >= 0 else None)
+                                    seed=int(seed) if seed is not None and seed >= 0 else None,
+                                    structured_outputs=json_schema_constraint(json_schema))
             request = inputs.process(prompt, params)
         except ValueError as exc:
             yield [_note(f"⚠️ {exc}")]
@@ -132,6 +161,8 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
         rate = (num_tokens - 1) / elapsed if first is not None and num_tokens > 1 and elapsed > 0 else 0.0
         ttft = f"{first - start:.2f} s" if first is not None else "–"
         stats = f"{num_tokens} tokens · {rate:.1f} tokens/s · time to first token {ttft}"
+        if params.structured_outputs is not None:
+            text = format_json_reply(text)
         yield notes + [gr.ChatMessage(role="assistant", content=text), _note(stats)]
 
     with gr.Blocks(title=title, analytics_enabled=False, fill_height=True) as demo, gr.Row():
@@ -144,6 +175,8 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
                 gr.Slider(1, min(4096, max_model_len - 1), value=min(256, max_model_len // 2), step=1,
                           label="Max new tokens", render=False),
                 gr.Number(value=-1, precision=0, label="Seed (-1 = random)", render=False),
+                gr.Code(value="", language="json", label="JSON schema (the reply must match it; empty = free text)",
+                        lines=4, render=False),
             ]
             gr.ChatInterface(
                 respond, chatbot=gr.Chatbot(label="Chat", height=480, render=False),

@@ -22,6 +22,7 @@ def build_app(
     ui_auth: tuple[str, str] | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     ui_max_queue: int | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The API server (:func:`lightinfer.entrypoints.server.build_api_app`) plus the chat UI at ``/``.
 
@@ -32,11 +33,12 @@ def build_app(
         ui_auth: ``(user, password)`` for the Gradio UI's login page.
         max_request_bytes: larger request bodies get 413.
         ui_max_queue: Gradio's queue bound (default ``max_waiting``).
+        tool_call_parser: the API's tool-call format (``--tool-call-parser``; default: from the chat template).
     Raises:
-        ValueError: the engine has no tokenizer.
+        ValueError: the engine has no tokenizer; an unknown tool_call_parser.
     """
     app = build_api_app(engine, served_model_name=served_model_name, api_key=api_key,
-                        max_request_bytes=max_request_bytes)
+                        max_request_bytes=max_request_bytes, tool_call_parser=tool_call_parser)
     blocks = build_ui(engine, max_queue=ui_max_queue or engine.max_waiting)
     gr.mount_gradio_app(app, blocks, path="/", auth=ui_auth, ssr_mode=False, footer_links=["api"],
                         run_history=False, show_error=True)

@@ -44,6 +44,10 @@ def _add_server_args(p: argparse.ArgumentParser, kv_default: str) -> None:
                    help="the model name the API answers to (default: the model's folder or file name)")
     p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="larger request bodies get HTTP 413 (default: 4194304, 4 MiB)")
     p.add_argument("--no-ui", action="store_true", help="serve the API only")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="how tool calls are written and read: hermes (Qwen, Hermes), llama3_json (Llama 3.1+), "
+                        "mistral, or an alias (qwen, llama3, ...) (default: detected from the chat template; "
+                        "hermes for templates without tool support)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="debug also logs prompts (never at info)")
 
@@ -86,6 +90,10 @@ def run_serve(args: argparse.Namespace) -> int:
             logger.warning("binding %s without --ui-auth USER:PASS: the chat UI is open to anyone who can reach "
                            "this port", args.host)
     check_port_free(args.host, args.port)
+    if args.tool_call_parser:  # an unknown name fails now, not after the model has loaded
+        from lightinfer.structured.tool_formats import get_tool_call_format
+
+        get_tool_call_format(args.tool_call_parser)
     missing = [m for m in (("fastapi", "uvicorn") + (() if args.no_ui else ("gradio",)))
                if importlib.util.find_spec(m) is None]
     if missing:
@@ -99,7 +107,7 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"lightinfer: loading {args.model} (KV cache {args.kv_cache_dtype}) ...", flush=True)
     engine = AsyncLLMEngine(LLMEngine(config))
     options = {"served_model_name": args.served_model_name, "api_key": args.api_key,
-               "max_request_bytes": args.max_request_bytes}
+               "max_request_bytes": args.max_request_bytes, "tool_call_parser": args.tool_call_parser}
     if args.no_ui:
         app = build_api_app(engine, **options)
     else:

@@ -19,6 +19,7 @@ from lightinfer.engine.model_runner import ModelRunner
 from lightinfer.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from lightinfer.engine.sequence import Sequence
 from lightinfer.engine.step_inputs import select_rows
+from lightinfer.engine.structured_outputs import StructuredOutputManager
 from lightinfer.formats.scheme import describe_formats
 from lightinfer.inputs import EngineRequest, InputProcessor, PromptType
 from lightinfer.layers.sampler import INVALID_TOKEN, Sampler, SamplingRow, has_penalties
@@ -123,7 +124,11 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds what this model supports ({model_max}: "
                              f"max_position_embeddings, or the sliding window); use at most {model_max}")
         self.vocab_size = int(hf_config.vocab_size)
-        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, int(config.max_model_len))
+        # constrained decoding: the grammar backend is built at the first constrained request
+        self.structured = StructuredOutputManager(self.tokenizer, self.eos_token_ids,
+                                                  overlap=config.torch_device.type == "cuda")
+        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, int(config.max_model_len),
+                                              grammar_backend=self.structured.get_backend)
         self.model_runner = ModelRunner(config, self.checkpoint)
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
@@ -161,6 +166,9 @@ class LLMEngine:
         else:
             request = self.input_processor.process(prompt, SamplingParams() if sampling_params is None else sampling_params)
         ids, p = request.prompt_token_ids, request.sampling_params
+        seq = Sequence(request_id, ids, p, index=0)
+        if p.structured_outputs is not None:  # a cache hit when the front end compiled it (off this thread)
+            self.structured.add(seq, p.structured_outputs)
         req = Request(request_id, request.prompt, ids, p, RequestMetrics(arrival_time or time.monotonic()))
         for i in range(p.n):
             gen = None
@@ -171,7 +179,6 @@ class LLMEngine:
             req.detoks.append(IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens))
             req.outputs.append(CompletionOutput(index=i, logprobs=[] if p.logprobs is not None else None,
                                                 cumulative_logprob=0.0 if p.logprobs is not None else None))
-        seq = Sequence(request_id, ids, p, index=0)
         req.seqs.append(seq)
         req.forked = p.n == 1
         self.requests[request_id] = req
@@ -184,6 +191,8 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.abort(request_id)
+        for seq in req.seqs:
+            self.structured.remove(seq)
         for out in req.outputs:
             if not out.finished:
                 out.finish_reason = "abort"
@@ -212,17 +221,24 @@ class LLMEngine:
         for s in out.scheduled:
             m = self.requests[s.seq.request_id].metrics
             m.first_scheduled_time = m.first_scheduled_time or now
+        sampled = [s for s in out.scheduled if s.completes_prompt]
+        # constrained rows: the bitmask is filled now (overlapping the forward where it can), applied below
+        mask = self.structured.begin_step([s.seq for s in sampled]) if self.structured.num_active else None
         logits = self.model_runner.run(out)
         self.scheduler.postprocess(out)
-        sampled = [s for s in out.scheduled if s.completes_prompt]
         rows, targets = self._sampling_rows(sampled)
-        tokens, logprobs = self.sampler(select_rows(logits, [r for r, _, _ in targets]), rows)
+        logits = select_rows(logits, [r for r, _, _ in targets])
+        if mask is not None:
+            self.structured.apply_(logits, mask, [r for r, _, _ in targets])
+        tokens, logprobs = self.sampler(logits, rows)
         # Fork every new completion before any token is appended: children copy the parent's tokens.
         owners: list[Sequence] = []
         for _, seq, index in targets:
             if index != seq.index:
                 req = self.requests[seq.request_id]
-                seq = self.scheduler.fork(seq, index)
+                child = self.scheduler.fork(seq, index)
+                self.structured.fork(seq, child)
+                seq = child
                 req.seqs.append(seq)
             owners.append(seq)
         touched: dict[str, Request] = {}
@@ -278,16 +294,25 @@ class LLMEngine:
         if lp is not None and out.logprobs is not None:
             out.logprobs.append(lp)
             out.cumulative_logprob = (out.cumulative_logprob or 0.0) + lp[token]
+        grammar = self.structured.accept(seq, token) if self.structured.num_active else None
         detok = req.detoks[seq.index]
         before = len(detok.text)
-        detok.add_token(token)
+        if token not in self.eos_token_ids or req.params.ignore_eos:  # EOS ends the text, never shows in it
+            detok.add_token(token)
         stops = req.params.stop or []
         hit = find_stop(detok.text, stops, before - max((len(s) for s in stops), default=0)) if stops else None
         if hit is not None:
             detok.text = detok.text[: hit[0]]
             self.scheduler.finish(seq, "stop", hit[1])
+        elif grammar == "rejected":
+            self.scheduler.finish(seq, "abort")
         else:
             self.scheduler.check_stop(seq)
+            if grammar == "terminated":  # the grammar's end: complete output, even on the last allowed token
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "stop")
+                elif seq.finish_reason == "length":
+                    seq.finish_reason = "stop"
         if seq.is_finished:
             if hit is None:
                 detok.flush()
@@ -318,6 +343,7 @@ class LLMEngine:
         out = req.outputs[seq.index]
         out.text = req.detoks[seq.index].text
         out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
+        self.structured.remove(seq)
         req.metrics.finished_time = time.monotonic()
 
     def _make_output(self, req: Request) -> RequestOutput:

@@ -67,15 +67,15 @@ def _register_routes(app: FastAPI, serving: OpenAIServing) -> None:
     async def chat_completions(req: P.ChatCompletionRequest, raw: Request) -> Response:
         serving.check_model(req.model)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        request = await serving.prepare_chat(req, top)
+        request, calling = await serving.prepare_chat(req, top)
         subs = await serving.submit([request])
         logger.info("chat request %s: %d prompt tokens, n=%d, stream=%s", subs[0][0],
                     len(request.prompt_token_ids), req.n, req.stream)
         logger.debug("chat request %s messages: %r", subs[0][0], [(m.role, m.text()) for m in req.messages])
         if req.stream:
-            return StreamingResponse(R.chat_stream(serving, req, subs, top), media_type="text/event-stream",
+            return StreamingResponse(R.chat_stream(serving, req, subs, top, calling), media_type="text/event-stream",
                                      headers=_SSE_HEADERS)
-        return await run_until_disconnect(raw, R.chat_full(serving, subs, top), [r for r, _ in subs], engine)
+        return await run_until_disconnect(raw, R.chat_full(serving, subs, top, calling), [r for r, _ in subs], engine)
 
     @app.post("/completions", response_model=None)
     async def completions(req: P.CompletionRequest, raw: Request) -> Response:
@@ -93,11 +93,13 @@ def _register_routes(app: FastAPI, serving: OpenAIServing) -> None:
                                           [r for r, _ in subs], engine)
 
 
-def create_openai_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
+def create_openai_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
+                      tool_call_parser: str | None = None) -> FastAPI:
     """The ``/v1`` sub-application. ``api_key``: when set, every route needs ``Authorization: Bearer <key>``.
+    ``tool_call_parser``: the tool-call format to use (default: detected from the chat template).
 
     Raises:
-        ValueError: the engine has no tokenizer (see :class:`OpenAIServing`).
+        ValueError: the engine has no tokenizer, or an unknown tool_call_parser (see :class:`OpenAIServing`).
     """
 
     async def verify_key(request: Request) -> None:
@@ -108,7 +110,7 @@ def create_openai_app(engine: AsyncLLMEngine, served_model_name: str, api_key: s
             raise OpenAIError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>'",
                               code="invalid_api_key")
 
-    serving = OpenAIServing(engine, served_model_name)
+    serving = OpenAIServing(engine, served_model_name, tool_call_parser)
     app = FastAPI(title="lightinfer OpenAI-compatible API", dependencies=[Depends(verify_key)],
                   docs_url=None, redoc_url=None, openapi_url=None)
 

@@ -3,6 +3,11 @@
 A stream is one ``chat.completion.chunk`` (or ``text_completion``) per engine step that produced
 text, an optional usage chunk, then ``data: [DONE]``. A stream that ends early (client gone:
 Starlette cancels the generator) or fails aborts its engine requests.
+
+With tools, each choice's text goes through a tool-call parser: the reply's ``content`` is the text
+outside the calls, ``tool_calls`` the calls (OpenAI's shapes; streamed as ``delta.tool_calls`` pieces:
+index, id and name first, then the arguments in pieces), and a reply that called tools finishes with
+``finish_reason`` "tool_calls".
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from lightinfer.engine.async_engine import RequestStream
 from lightinfer.entrypoints import protocol as P
 from lightinfer.entrypoints.openai_errors import OpenAIError, as_openai_error
 from lightinfer.entrypoints.openai_serving import OpenAIServing
-from lightinfer.outputs import RequestOutput
+from lightinfer.inputs.tools import ToolCalling
+from lightinfer.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 Submitted = list[tuple[str, RequestStream]]  # (request id, its stream) per prompt
@@ -85,18 +91,43 @@ def _abort_all(serving: OpenAIServing, subs: Submitted) -> None:
         serving.engine.abort(rid)
 
 
-async def chat_full(serving: OpenAIServing, subs: Submitted, top: int | None) -> P.ChatCompletionResponse:
-    """The whole chat completion, once every choice finished."""
+def finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    """OpenAI's finish reason: "tool_calls" for a reply that ended normally after calling tools."""
+    return "tool_calls" if has_calls and reason == "stop" else reason
+
+
+def _chat_choice(serving: OpenAIServing, c: CompletionOutput, top: int | None,
+                 calling: ToolCalling | None) -> P.ChatCompletionChoice:
+    message = P.AssistantMessage(content=c.text)
+    if calling is not None:
+        parsed = calling.parse(c.text)
+        message = P.AssistantMessage(content=parsed.content, tool_calls=[
+            P.ToolCall(id=t.id, function=P.FunctionCall(name=t.name, arguments=t.arguments)) for t in parsed.tool_calls])
+    return P.ChatCompletionChoice(index=c.index, message=message,
+                                  finish_reason=finish_reason(c.finish_reason, bool(message.tool_calls)),
+                                  logprobs=serving.chat_logprobs(c, 0, top) if top is not None else None)
+
+
+async def chat_full(serving: OpenAIServing, subs: Submitted, top: int | None,
+                    calling: ToolCalling | None = None) -> P.ChatCompletionResponse:
+    """The whole chat completion, once every choice finished (tool calls parsed out when ``calling``)."""
     final = (await collect(subs))[0]
-    choices = [P.ChatCompletionChoice(
-        index=c.index, message=P.AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-        logprobs=serving.chat_logprobs(c, 0, top) if top is not None else None) for c in final.outputs]
+    choices = [_chat_choice(serving, c, top, calling) for c in final.outputs]
     return P.ChatCompletionResponse(model=serving.model_name, choices=choices, usage=usage({0: final}))
 
 
+def _tool_deltas(parser: object, text: str, finished: bool) -> list[P.DeltaMessage]:
+    """The parser's OpenAI deltas for new ``text`` (and its last ones when ``finished``)."""
+    pieces = parser.feed(text) if text else []  # type: ignore[attr-defined]
+    if finished:
+        pieces += parser.finish()  # type: ignore[attr-defined]
+    return [P.DeltaMessage(**piece) for piece in pieces]
+
+
 async def chat_stream(serving: OpenAIServing, req: P.ChatCompletionRequest, subs: Submitted,
-                      top: int | None) -> AsyncIterator[str]:
-    """The chat completion as server-sent events: the role first, then text deltas per choice."""
+                      top: int | None, calling: ToolCalling | None = None) -> AsyncIterator[str]:
+    """The chat completion as server-sent events: the role first, then text deltas per choice (content and
+    tool-call pieces when ``calling``)."""
     cid, created = P.random_id("chatcmpl"), int(time.time())
 
     def chunk(choices: list[P.ChatCompletionStreamChoice], usage_info: P.UsageInfo | None = None) -> str:
@@ -104,6 +135,7 @@ async def chat_stream(serving: OpenAIServing, req: P.ChatCompletionRequest, subs
                                            choices=choices, usage=usage_info))
 
     prev_text, prev_tok, done = [""] * req.n, [0] * req.n, [False] * req.n
+    parsers = [calling.stream_parser() for _ in range(req.n)] if calling is not None else None
     finished, last = False, None
     try:
         yield chunk([P.ChatCompletionStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
@@ -116,13 +148,25 @@ async def chat_stream(serving: OpenAIServing, req: P.ChatCompletionRequest, subs
                     continue
                 delta = c.text[len(prev_text[i]):]
                 lp = serving.chat_logprobs(c, prev_tok[i], top) if top is not None else None
-                if delta or c.finish_reason or (lp is not None and lp.content):
+                if parsers is not None:  # content and tool-call pieces, in order; the finish on the last
+                    deltas = _tool_deltas(parsers[i], delta, c.finished)
+                    reason = finish_reason(c.finish_reason, bool(parsers[i].tool_calls))
+                    if not deltas and (reason or (lp is not None and lp.content)):
+                        deltas = [P.DeltaMessage(content="")]
+                    choices += [P.ChatCompletionStreamChoice(
+                        index=i, delta=d, logprobs=lp if k == 0 else None,
+                        finish_reason=reason if k == len(deltas) - 1 else None) for k, d in enumerate(deltas)]
+                elif delta or c.finish_reason or (lp is not None and lp.content):
                     choices.append(P.ChatCompletionStreamChoice(
                         index=i, delta=P.DeltaMessage(content=delta), logprobs=lp,
                         finish_reason=c.finish_reason))
                 prev_text[i], prev_tok[i], done[i] = c.text, len(c.token_ids), c.finished
-            if choices:
-                yield chunk(choices)
+            if parsers is None:
+                if choices:
+                    yield chunk(choices)
+            else:
+                for choice in choices:  # one piece per chunk: each choice's content and calls stay in order
+                    yield chunk([choice])
         finished = last is not None and last.finished
         if req.stream_options and req.stream_options.include_usage and last is not None:
             yield chunk([], usage({0: last}))

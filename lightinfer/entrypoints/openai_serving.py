@@ -4,6 +4,8 @@ Prompts are prepared (chat template, tokenizing, checks: :mod:`lightinfer.inputs
 thread with its own copy of the tokenizer, so a big request never blocks the event loop that
 streams everyone's tokens; the event loop keeps another copy for turning sampled ids into
 token strings. HF fast tokenizers are not safe to share between threads, hence the two copies.
+Structured-output constraints and tool grammars are compiled on that thread too (into the engine's
+shared grammar cache), so the engine thread only copies a compiled matcher.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ from typing import Any, TypeVar
 from lightinfer.engine.async_engine import AsyncLLMEngine, RequestStream
 from lightinfer.entrypoints import protocol as P
 from lightinfer.entrypoints.openai_errors import OpenAIError, as_openai_error
+from lightinfer.entrypoints.openai_structured import structured_error, structured_outputs_of
 from lightinfer.inputs import EngineRequest, InputError
+from lightinfer.inputs.tools import ToolCalling
 from lightinfer.outputs import CompletionOutput
 from lightinfer.sampling_params import SamplingParams
+from lightinfer.structured.spec import StructuredOutputs, StructuredOutputsError
 
 T = TypeVar("T")
 
@@ -31,17 +36,20 @@ class OpenAIServing:
     Args:
         engine: the shared async engine.
         served_model_name: the ``model`` the API answers to.
+        tool_call_parser: the tool-call format (``--tool-call-parser``: hermes, llama3_json, mistral or an
+            alias); None: detected from the chat template.
     Raises:
-        ValueError: the engine has no tokenizer (text in, text out needs one).
+        ValueError: the engine has no tokenizer (text in, text out needs one); an unknown tool_call_parser.
     """
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str) -> None:
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, tool_call_parser: str | None = None) -> None:
         self.engine = engine
         self.model_name = served_model_name
         if engine.tokenizer is None:  # text in, text out: a tokenizer-less (dummy) engine cannot serve
             raise ValueError("serving needs a tokenizer; this model has none (dummy weights from a bare config "
                              "folder, or skip_tokenizer_init): add the tokenizer files to the folder")
-        self.inputs = engine.input_processor.copy()  # used on the preparation thread only
+        # used on the preparation thread only
+        self.inputs = engine.input_processor.copy(tool_call_parser=tool_call_parser)
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # used on the event loop only
         self.max_model_len = self.inputs.max_model_len
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightinfer-inputs")
@@ -58,7 +66,8 @@ class OpenAIServing:
                                    f"`{self.model_name}`", param="model", code="model_not_found")
 
     def sampling_params(self, req: P._SamplingRequest, prompt_len: int, max_tokens: int | None,
-                        logprobs: int | None, prompt_param: str = "messages") -> SamplingParams:
+                        logprobs: int | None, prompt_param: str = "messages",
+                        structured: StructuredOutputs | None = None) -> SamplingParams:
         """Build and validate ``SamplingParams``; 400 when prompt + max_tokens exceed the context (naming
         ``prompt_param``, the request field that holds the prompt)."""
         try:
@@ -69,28 +78,47 @@ class OpenAIServing:
                 min_p=req.min_p or 0.0, repetition_penalty=req.repetition_penalty or 1.0,
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 seed=req.seed, max_tokens=max_tokens or room, min_tokens=req.min_tokens, stop=req.stop,
-                stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs)
+                stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs,
+                structured_outputs=structured)
         except ValueError as exc:
             raise as_openai_error(exc) from exc
 
-    def _chat_request(self, req: P.ChatCompletionRequest, top: int | None) -> EngineRequest:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    def _chat_request(self, req: P.ChatCompletionRequest, top: int | None) -> tuple[EngineRequest, ToolCalling | None]:
+        structured, field = structured_outputs_of(req)  # cheap checks first: a bad schema is a 400 before any template
+        messages = [m.to_message() for m in req.messages]
         try:
-            prompt = self.inputs.render_chat(messages, add_generation_prompt=req.add_generation_prompt)
+            prompt, calling = self.inputs.render_chat_tools(
+                messages, tools=req.tools, tool_choice=req.tool_choice,
+                parallel_tool_calls=req.parallel_tool_calls is not False,
+                add_generation_prompt=req.add_generation_prompt, chat_template_kwargs=req.chat_template_kwargs)
         except InputError as exc:
             raise as_openai_error(exc) from exc
         except ValueError as exc:  # e.g. a model without a chat template
             raise OpenAIError(400, str(exc), param="messages") from exc
+        if calling is not None:
+            try:
+                calling.check_compatible(structured)  # before the context check: the request itself is wrong
+            except InputError as exc:
+                raise as_openai_error(exc) from exc
         params = self.sampling_params(req, len(prompt.prompt_token_ids), req.max_completion_tokens or req.max_tokens,
-                                      top)
-        return self._process(prompt, params)
+                                      top, structured=structured)
+        if calling is not None:
+            try:
+                params = calling.constrain(params)
+            except InputError as exc:
+                raise as_openai_error(exc) from exc
+            field = "tools"
+        return self._process(prompt, params, field), calling
 
-    async def prepare_chat(self, req: P.ChatCompletionRequest, top: int | None) -> EngineRequest:
-        """The chat's engine request (template, tokens, settings), prepared off the event loop.
+    async def prepare_chat(self, req: P.ChatCompletionRequest,
+                           top: int | None) -> tuple[EngineRequest, ToolCalling | None]:
+        """The chat's engine request (template, tokens, settings, constraint), prepared off the event loop,
+        and how to read tool calls from the reply (None without tools).
 
         Raises:
             OpenAIError: 400 naming the field (a template that refuses the messages, a prompt longer than
-                the context, a bad setting).
+                the context, a bad setting, schema, regex, grammar, tool or tool_choice, a tool message
+                answering no earlier call).
         """
         return await self._off_loop(self._chat_request, req, top)
 
@@ -99,13 +127,14 @@ class OpenAIServing:
         items: list[Any] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
         if not items or any(not item for item in items):
             raise OpenAIError(400, "prompt must not be empty", param="prompt")
+        structured, field = structured_outputs_of(req)
         try:
             prompts = [self.inputs.tokenize(item) for item in items]
         except ValueError as exc:
             raise as_openai_error(exc) from exc
         params = self.sampling_params(req, max(len(t.prompt_token_ids) for t in prompts), req.max_tokens,
-                                      req.logprobs, "prompt")
-        requests = [self._process(t, params) for t in prompts]
+                                      req.logprobs, "prompt", structured=structured)
+        requests = [self._process(t, params, field) for t in prompts]
         echo = [self.inputs.tokenizer.decode(t.prompt_token_ids) if req.echo else "" for t in prompts]
         return requests, echo
 
@@ -118,9 +147,11 @@ class OpenAIServing:
         """
         return await self._off_loop(self._completion_requests, req)
 
-    def _process(self, prompt: Any, params: SamplingParams) -> EngineRequest:
+    def _process(self, prompt: Any, params: SamplingParams, structured_field: str | None = None) -> EngineRequest:
         try:
-            return self.inputs.process(prompt, params)
+            return self.inputs.process(prompt, params)  # compiles the constraint (into the engine's cache)
+        except StructuredOutputsError as exc:  # the model's tokenizer cannot take it
+            raise structured_error(exc, structured_field) from exc
         except ValueError as exc:
             raise as_openai_error(exc) from exc
 

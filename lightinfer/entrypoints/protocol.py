@@ -1,11 +1,13 @@
 """Pydantic schemas of the OpenAI-compatible API (the subset lightinfer serves).
 
 Field names and meanings follow OpenAI's API reference; ``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``min_tokens`` and ``stop_token_ids`` are extras (as in
-vLLM) that the official client sends through ``extra_body``. Unknown fields are ignored; OpenAI fields
-that lightinfer does not implement (``UNSUPPORTED``: JSON mode, tools, ``logit_bias``, ``best_of``,
-``suffix``) are a 400 when set, rather than a reply that silently ignores them. Range checks live here so a
-bad value is a 400 naming the field before any work starts.
+``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids`` and the structured-output
+``guided_*`` / ``structured_outputs`` fields are extras (as in vLLM) that the official client sends through
+``extra_body``. Unknown fields are ignored; OpenAI fields that lightinfer does not implement
+(``UNSUPPORTED``: ``logit_bias``, ``suffix``, the deprecated ``functions`` / ``function_call``, and
+``best_of``) are a 400 when set, rather than a reply that silently ignores them. Range checks live here so a
+bad value is a 400 naming the field before any work starts; ``response_format``, ``tools`` and the
+structured-output fields are checked where the request is prepared (``openai_structured``, the input layer).
 """
 
 from __future__ import annotations
@@ -48,20 +50,18 @@ class StreamOptions(BaseModel):
 
 # field -> (what it asks for, the values that ask for nothing): set to anything else, a clear 400.
 UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "response_format": ("structured output (JSON mode / JSON schema)", (None, {"type": "text"})),
-    "tools": ("tool calls", (None, [])),
-    "tool_choice": ("tool calls", (None, "none", "auto")),  # "auto" with no tools asks for nothing
-    "functions": ("function calls", (None, [])),
-    "function_call": ("function calls", (None, "none", "auto")),
+    "functions": ("functions (OpenAI's deprecated form of tools)", (None, [])),
+    "function_call": ("function_call (OpenAI's deprecated form of tool_choice)", (None, "none", "auto")),
     "logit_bias": ("logit_bias", (None, {})),
     "suffix": ("suffix (insertion)", (None, "")),
 }
+_INSTEAD = {"functions": "; send tools instead", "function_call": "; send tool_choice instead"}
 
 
 def _refuse_unsupported(name: str, value: Any) -> Any:
     what, neutral = UNSUPPORTED[name]
     if value not in neutral:
-        raise ValueError(f"{what} is not supported by lightinfer; leave {name} out")
+        raise ValueError(f"{what} is not supported by lightinfer; leave {name} out{_INSTEAD.get(name, '')}")
     return value
 
 
@@ -100,9 +100,13 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # structured outputs (checked by openai_structured when the request is prepared)
     response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
     functions: Any = None
     function_call: Any = None
     logit_bias: Any = None
@@ -123,26 +127,62 @@ class TextContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    """A call's function: its name and its arguments as a JSON string (OpenAI's shape)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One tool call of an assistant message (in a request's history, or in a response)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     """A message; ``content`` is a string or a list of text parts (other part types: 400). It is required, as
-    OpenAI requires it of every message without tool calls (which this server does not take)."""
+    OpenAI requires it, except of an assistant message with ``tool_calls``; a ``tool`` message answers the
+    call named by ``tool_call_id`` (checked against the earlier calls when the request is prepared)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart]
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    # after tool_calls, so that its check sees them
+    content: str | list[TextContentPart] | None = Field(None, validate_default=True)
 
     @field_validator("content")
     @classmethod
-    def _content_text(cls, value: Any) -> Any:
+    def _content_text(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("Field required (only an assistant message with tool_calls may leave content out)")
         return _unicode(value, "the message content")
 
     def text(self) -> str:
-        """The content as one string (text parts joined)."""
+        """The content as one string (text parts joined; "" for none)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def to_message(self) -> dict[str, Any]:
+        """The message as the input layer takes it (OpenAI's dict shape)."""
+        msg: dict[str, Any] = {"role": self.role, "content": None if self.content is None else self.text()}
+        if self.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        return msg
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -151,6 +191,11 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    # checked by the input layer (parse_tools / parse_tool_choice), which names the bad field
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # None: true (OpenAI's default)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -162,6 +207,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    tools: Any = None
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
@@ -177,6 +223,13 @@ class CompletionRequest(_SamplingRequest):
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
         return _refuse_unsupported("suffix", value)
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: Any) -> Any:
+        if value not in (None, []):
+            raise ValueError("tools are served by /v1/chat/completions (they need the chat template); leave tools out")
+        return value
 
     @field_validator("best_of")
     @classmethod
@@ -231,6 +284,7 @@ class CompletionLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -250,8 +304,12 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
+    """A piece of a streamed reply; ``tool_calls`` pieces are OpenAI's (``index`` always; ``id``, ``type`` and
+    ``function.name`` in a call's first piece; ``function.arguments`` in pieces)."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

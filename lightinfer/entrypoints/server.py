@@ -79,6 +79,7 @@ def build_api_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """Assemble the API server; the engine loop starts and stops with the app's lifespan.
 
@@ -87,10 +88,11 @@ def build_api_app(
         served_model_name: the ``model`` name the API answers to; default ``model_info()["model"]``.
         api_key: when set, ``/v1`` needs ``Authorization: Bearer <api_key>`` (else 401).
         max_request_bytes: larger request bodies (to any route, a UI mounted later included) get 413.
+        tool_call_parser: the tool-call format (``--tool-call-parser``); None: detected from the chat template.
     Returns:
         the app; more routes or mounts (the UI at ``/``) may be added before it starts.
     Raises:
-        ValueError: the engine has no tokenizer.
+        ValueError: the engine has no tokenizer; an unknown tool_call_parser.
     """
     metrics = ServingMetrics(engine)
     name = served_model_name or str(engine.model_info()["model"])
@@ -123,7 +125,7 @@ def build_api_app(
         return Response(json.dumps(vars(engine.get_stats())), media_type="application/json")
 
     # Routes above and /v1 are matched before a catch-all mount at "/" added later (the chat UI).
-    app.mount("/v1", create_openai_app(engine, name, api_key))
+    app.mount("/v1", create_openai_app(engine, name, api_key, tool_call_parser))
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
     return app
 

@@ -9,12 +9,18 @@ between threads, so a front end working on another thread takes :meth:`InputProc
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 from lightinfer.inputs.chat import Message, render_chat
 from lightinfer.inputs.data import EngineRequest, InputError, PromptType, TokenizedPrompt
 from lightinfer.inputs.text import check_text
+from lightinfer.inputs.tools import ToolCalling, reasoning_mode
 from lightinfer.sampling_params import SamplingParams
+from lightinfer.structured.backend import GrammarBackend
+from lightinfer.structured.tool_formats import ToolCallFormat, detect_tool_call_format
+from lightinfer.structured.tool_grammar import build_tool_call_grammar
+from lightinfer.structured.tool_spec import parse_tool_choice, parse_tools
 
 
 class InputProcessor:
@@ -24,16 +30,32 @@ class InputProcessor:
         tokenizer: the model's tokenizer, or None (an engine that takes and returns token ids only).
         vocab_size: the model's vocabulary size (ids must be below it).
         max_model_len: the context length in tokens (a prompt must leave room for one new token).
+        grammar_backend: returns the engine's (thread-safe, shared) grammar backend, which compiles
+            ``structured_outputs`` here, where the request is prepared, into the cache the engine's
+            matchers copy from; None: constraints are checked but compiled by the engine.
+        tool_call_parser: the tool-call format to use whatever the chat template shows (a
+            ``--tool-call-parser`` name); None: detected from the template.
+    Raises:
+        ValueError: an unknown ``tool_call_parser``.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int,
+                 grammar_backend: Callable[[], GrammarBackend] | None = None,
+                 tool_call_parser: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size)
         self.max_model_len = int(max_model_len)
+        self.grammar_backend = grammar_backend
+        self.tool_call_parser = tool_call_parser
+        template = getattr(tokenizer, "chat_template", None)
+        self.tool_call_format: ToolCallFormat = detect_tool_call_format(
+            template if isinstance(template, str) else None, tool_call_parser)
 
-    def copy(self) -> InputProcessor:
-        """A processor with its own copy of the tokenizer, for use on another thread."""
-        return InputProcessor(copy.deepcopy(self.tokenizer), self.vocab_size, self.max_model_len)
+    def copy(self, tool_call_parser: str | None = None) -> InputProcessor:
+        """A processor with its own copy of the tokenizer, for use on another thread (sharing the grammar
+        backend); ``tool_call_parser`` overrides this one's."""
+        return InputProcessor(copy.deepcopy(self.tokenizer), self.vocab_size, self.max_model_len,
+                              self.grammar_backend, tool_call_parser or self.tool_call_parser)
 
     # ------------------------------------------------------------------ prompts
     def tokenize(self, prompt: PromptType) -> TokenizedPrompt:
@@ -80,7 +102,7 @@ class InputProcessor:
         """The conversation through the chat template (see :func:`lightinfer.inputs.chat.render_chat`);
         its length is checked where it is used (:meth:`process`, :meth:`check_context`)."""
         return render_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                           chat_template_kwargs=chat_template_kwargs)
+                           chat_template_kwargs=chat_template_kwargs, tool_format=self.tool_call_format)
 
     def _check_ids(self, ids: list[int]) -> None:
         if not ids:
@@ -141,7 +163,74 @@ class InputProcessor:
         too_big = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if too_big:  # they index the logits row (banned before min_tokens): out of range on the GPU is fatal
             raise ValueError(f"stop_token_ids {too_big} are outside the vocabulary (ids 0..{self.vocab_size - 1})")
+        if params.structured_outputs is not None and self.grammar_backend is not None:
+            # compiled here (a front end's preparation thread), so the engine only copies the result
+            self.grammar_backend().compile(params.structured_outputs)
         return params
+
+    # ------------------------------------------------------------------ chat with tools
+    def render_chat_tools(self, messages: list[Message], *, tools: list[dict[str, Any]] | None = None,
+                          tool_choice: Any = None, parallel_tool_calls: bool = True, add_generation_prompt: bool = True,
+                          chat_template_kwargs: dict[str, Any] | None = None,
+                          ) -> tuple[TokenizedPrompt, ToolCalling | None]:
+        """The conversation through the template with its tools, and how the reply is constrained and read
+        (see :meth:`process_chat`, which is this plus :meth:`ToolCalling.constrain` and :meth:`process`).
+
+        Returns:
+            ``(prompt, tool_calling)``; ``tool_calling`` is None without tools or with tool_choice "none"
+            (the tools are then left out of the prompt: the model is not to call them).
+        Raises:
+            InputError: naming the field (``tools[1].type``, ``tool_choice.function.name``,
+                ``messages[3].tool_call_id``, ``tools[0].function.parameters`` ...), or see :meth:`render_chat`.
+        """
+        try:
+            specs = parse_tools(tools)
+            choice = parse_tool_choice(tool_choice, specs)
+        except ValueError as e:
+            raise InputError(str(e), param=str(e).split(":", 1)[0]) from None
+        active = bool(specs) and choice.mode != "none"
+        prompt = self.render_chat(messages, add_generation_prompt=add_generation_prompt,
+                                  tools=list(tools or []) if active else None, chat_template_kwargs=chat_template_kwargs)
+        if not active:
+            return prompt, None
+        backend = self.grammar_backend() if self.grammar_backend is not None else None
+        try:
+            grammar = build_tool_call_grammar(
+                specs, tool_choice, self.tool_call_format, parallel_tool_calls,
+                special_tokens=backend.special_token_id if backend is not None else None,
+                reasoning=reasoning_mode(getattr(self.tokenizer, "chat_template", None), prompt.prompt,
+                                         chat_template_kwargs))
+        except ValueError as e:
+            raise InputError(str(e), param=str(e).split(":", 1)[0]) from None
+        assert grammar is not None  # tools and a choice other than "none"
+        return prompt, ToolCalling(self.tool_call_format, tuple(specs), choice, grammar)
+
+    def process_chat(self, messages: list[Message], params: SamplingParams, *,
+                     tools: list[dict[str, Any]] | None = None, tool_choice: Any = None,
+                     parallel_tool_calls: bool = True, add_generation_prompt: bool = True,
+                     chat_template_kwargs: dict[str, Any] | None = None) -> tuple[EngineRequest, ToolCalling | None]:
+        """One chat turn as an engine request, with tools: they are rendered (by the template, or the
+        fallback tool prompt), and unless ``tool_choice`` is "none" the reply is constrained so that a call,
+        once started, is valid ("auto"), or is forced ("required", or a named function).
+
+        Args:
+            messages: the conversation (assistant ``tool_calls`` and ``tool`` results included).
+            params: the settings (see :meth:`ToolCalling.constrain` for what tools change).
+            tools: OpenAI ``tools``; tool_choice: OpenAI ``tool_choice`` (default "auto" with tools).
+            parallel_tool_calls: allow several calls in one reply.
+            add_generation_prompt / chat_template_kwargs: see :func:`render_chat`.
+        Returns:
+            ``(request, tool_calling)``: ``tool_calling`` parses the reply; None without tools or with
+            tool_choice "none".
+        Raises:
+            InputError: see :meth:`render_chat_tools`, :meth:`ToolCalling.constrain` and :meth:`process`.
+        """
+        prompt, calling = self.render_chat_tools(
+            messages, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+            add_generation_prompt=add_generation_prompt, chat_template_kwargs=chat_template_kwargs)
+        if calling is not None:
+            params = calling.constrain(params)
+        return self.process(prompt, params), calling
 
     # ------------------------------------------------------------------ requests
     def process(self, prompt: PromptType, params: SamplingParams) -> EngineRequest:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -200,7 +201,8 @@ class Sampler:
         top_v, top_i = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
         for j, i in enumerate(wanted):
             n = rows[i].params.logprobs
-            entry = {int(t): float(v) for t, v in zip(top_i[j][:n], top_v[j][:n])} if n else {}
+            # tokens a grammar masked out (-inf) are not candidates: never listed
+            entry = {int(t): float(v) for t, v in zip(top_i[j][:n], top_v[j][:n]) if v != -math.inf} if n else {}
             entry[tokens[i]] = float(chosen_h[j])
             out[i] = entry
         return out

@@ -71,6 +71,8 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequ
         return logits
     vocab = min(width, 32 * bitmask.shape[1] if vocab_size is None else vocab_size)
     whole = len(idx) == batch and idx == list(range(batch))
+    if logits.device.type == "cpu" and bitmask.device.type == "cpu":
+        return _apply_on_cpu(logits, bitmask, idx, whole, vocab)
     # on a GPU the small int32 mask travels (async from pinned memory) and is unpacked there
     words = bitmask.to(logits.device, non_blocking=True)
     sub = words if whole else words[torch.tensor(idx, device=words.device)]
@@ -84,6 +86,28 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequ
         picked[:, :vocab].masked_fill_(~allowed, float("-inf"))
         picked[:, vocab:] = float("-inf")
         logits.index_copy_(0, at, picked)
+    return logits
+
+
+def _apply_on_cpu(logits: torch.Tensor, bitmask: torch.Tensor, idx: list[int], whole: bool,
+                  vocab: int) -> torch.Tensor:
+    """:func:`apply_token_bitmask_` on the CPU: the *disallowed* bits are unpacked (one numpy pass over the
+    inverted words) and written into each constrained row in place, no row of logits copied. numpy does the
+    writes (fp32/fp16): single-threaded, so a step's few milliseconds of masking never wait on torch's
+    intra-op thread pool, whose threads spin against other work on a busy CPU."""
+    words = bitmask if whole else bitmask.index_select(0, torch.tensor(idx, dtype=torch.long))
+    raw = np.bitwise_not(np.ascontiguousarray(words.numpy())).view(np.uint8)
+    banned = np.unpackbits(raw, axis=1, count=vocab, bitorder="little").view(np.bool_)
+    if logits.dtype not in (torch.float32, torch.float16, torch.float64):  # bfloat16: no numpy view
+        banned_t = torch.from_numpy(banned)
+        for j, r in enumerate(idx):
+            logits[r, :vocab].masked_fill_(banned_t[j], float("-inf"))
+            logits[r, vocab:] = float("-inf")
+        return logits
+    rows = logits.numpy()
+    for j, r in enumerate(idx):
+        np.putmask(rows[r, :vocab], banned[j], -np.inf)
+        rows[r, vocab:] = -np.inf
     return logits
 
 

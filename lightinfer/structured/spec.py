@@ -87,9 +87,44 @@ def check_json_schema(schema: Any, field_name: str) -> dict[str, Any]:
     return schema
 
 
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def _has_key(node: Any, key: str) -> bool:
+    if isinstance(node, dict):
+        return key in node or any(_has_key(v, key) for v in node.values())
+    if isinstance(node, list):
+        return any(_has_key(v, key) for v in node)
+    return False
+
+
+def close_objects(schema: Any) -> Any:
+    """``schema`` with ``"additionalProperties": false`` on every object that lists ``properties`` and says
+    nothing about other keys: what the generated JSON may contain (always valid under ``schema``, which
+    allows but never needs the extra keys). vLLM's default backend (xgrammar's strict mode) generates the
+    same way; a small model given open objects invents keys until the token limit. Schemas using
+    ``allOf`` or ``unevaluatedProperties`` stay as they are (closing a branch would refuse the other
+    branches' properties)."""
+    if _has_key(schema, "allOf") or _has_key(schema, "unevaluatedProperties"):
+        return schema
+
+    def close(node: Any) -> Any:
+        if isinstance(node, list):
+            return [close(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: (v if k in ("const", "enum", "default", "examples") else close(v)) for k, v in node.items()}
+        if isinstance(node.get("properties"), dict) and not any(k in node for k in _OPEN_KEYS):
+            out["additionalProperties"] = False
+        return out
+
+    return close(schema)
+
+
 def json_grammar(schema: dict[str, Any]) -> str:
-    """The llguidance grammar of a JSON Schema with lightinfer's whitespace policy."""
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+    """The llguidance grammar of a JSON Schema with lightinfer's whitespace policy, objects closed
+    (:func:`close_objects`)."""
+    return llguidance.LLMatcher.grammar_from_json_schema(close_objects(schema), overrides=JSON_OPTIONS)
 
 
 def lark_literal(text: str) -> str:
@@ -104,7 +139,9 @@ class StructuredOutputs:
     Attributes:
         json: a JSON Schema: a dict, a JSON string, or a pydantic model class (its
             ``model_json_schema()``). Draft 2020-12 unless the schema's ``$schema`` says otherwise.
-            Properties come out in the schema's order; whitespace per :data:`JSON_WHITESPACE`.
+            Properties come out in the schema's order; whitespace per :data:`JSON_WHITESPACE`; an object
+            that lists its ``properties`` gets no other keys unless it says ``additionalProperties``
+            (:func:`close_objects`).
         json_object: True for any JSON object (OpenAI's ``{"type": "json_object"}``).
         regex: the whole output matches this regular expression (Rust ``regex`` syntax, as
             llguidance reads it: no look-around, no backreferences; ``\\d`` and ``\\w`` are the ASCII

@@ -4,6 +4,11 @@
 else. A named function: exactly one call to it. "auto": free text, or (text then) calls; the text
 cannot contain the call marker, so once a call starts it is completed validly. "none": no grammar.
 Each call's arguments follow the tool's ``parameters`` schema; the function name comes first.
+
+Reasoning models (Qwen3, QwQ, R1 distills) think first, in ``<think>...</think>``: with ``reasoning``
+the reply may (``"optional"``) or must (``"open"``: the prompt already opened the block) start with that
+block, then the answer as above, instead of cutting the thinking off (the forced call of "required") or
+making the model spell out a ``<think>`` token that the text rule excludes ("auto").
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from lightinfer.structured.spec import (
     StructuredOutputs,
     StructuredOutputsError,
     check_llguidance_grammar,
+    close_objects,
     json_grammar,
     lark_literal,
 )
@@ -59,7 +65,7 @@ def _calls_schema(tools: Sequence[ToolSpec], key: str) -> dict[str, Any]:
     defs: dict[str, Any] = {}
     calls = []
     for i, t in enumerate(tools):
-        params = copy.deepcopy(t.parameters)
+        params = close_objects(copy.deepcopy(t.parameters))  # no invented argument names
         if _has_ref(params):
             base = f"tool_{i}_parameters"
             params.pop("$id", None)
@@ -99,8 +105,26 @@ def _auto_start(marker: str, marker_token: str | None, first_call_rest: str) -> 
             f"TEXT: /(?s:.+)/ & ~/(?s:.*){m}(?s:.*)/"]
 
 
+REASONING_MODES = (None, "optional", "open")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def _reasoning_start(mode: str, special: SpecialTokens) -> list[str]:
+    """``start``: a ``<think>...</think>`` block (``mode`` "optional" or "open") then ``answer``."""
+    open_tok, close_tok = _token(THINK_OPEN, special), _token(THINK_CLOSE, special)
+    if close_tok is not None:  # a special token ends any text lexeme by itself
+        lead = "" if mode == "open" else f"{open_tok or lark_literal(THINK_OPEN)} "
+        think = [f"think: {lead}THOUGHT? {close_tok}", "THOUGHT: /(?s:.+)/"]
+    else:  # lazy: the block ends at the first </think>
+        lead = "" if mode == "open" else _regex_escape(THINK_OPEN)
+        close = _regex_escape(THINK_CLOSE).replace("/", "\\/")  # "/" would end the Lark regex literal
+        think = [f"think[lazy]: /{lead}(?s:.*){close}/"]
+    start = "start: think GAP? answer" if mode == "open" else "start: answer | think GAP? answer"
+    return [start, *think, r"GAP: /[ \t\r\n]+/"]
+
+
 def _lark(fmt: ToolCallFormat, tools: Sequence[ToolSpec], choice: ToolChoice, parallel: bool,
-          special: SpecialTokens) -> str:
+          special: SpecialTokens, reasoning: str | None = None) -> str:
     chosen = [t for t in tools if t.name == choice.name] if choice.mode == "named" else list(tools)
     many = parallel and choice.mode != "named"
     call_json = _json_rule(_calls_schema(chosen, fmt.arguments_key))
@@ -128,13 +152,15 @@ def _lark(fmt: ToolCallFormat, tools: Sequence[ToolSpec], choice: ToolChoice, pa
         lines = [f"calls: {tag + '? ' if tag else ''}{body}", f"call: {call_json}"]
         # free text must not open with "{": that is a call
         auto = ["start: TEXT | calls", r"TEXT: /\s*[^{\s](?s:.*)/"]
-    start = auto if choice.mode == "auto" else ["start: calls"]
+    start = list(auto) if choice.mode == "auto" else ["start: calls"]
+    if reasoning:  # the answer after a <think> block
+        start = [start[0].replace("start:", "answer:", 1), *start[1:], *_reasoning_start(reasoning, special)]
     return "\n".join([*start, *lines]) + "\n"
 
 
 def build_tool_call_grammar(tools: Sequence[Any] | None, tool_choice: Any = None, fmt: str | ToolCallFormat = "hermes",
                             parallel_tool_calls: bool = True, special_tokens: SpecialTokens = None,
-                            ) -> StructuredOutputs | None:
+                            reasoning: str | None = None) -> StructuredOutputs | None:
     """The constraint for a chat request with ``tools``, or None when nothing is constrained.
 
     Args:
@@ -147,6 +173,8 @@ def build_tool_call_grammar(tools: Sequence[Any] | None, tool_choice: Any = None
             ``GrammarBackend.special_token_id``: markers that are special tokens (Mistral's
             ``[TOOL_CALLS]``, Llama's ``<|python_tag|>``) are matched as those tokens, which the
             model was trained to emit, instead of as text.
+        reasoning: None, "optional" (the reply may open with a ``<think>...</think>`` block: a template
+            with thinking on) or "open" (the prompt ends inside ``<think>``: the reply closes it first).
     Returns:
         A :class:`StructuredOutputs` holding a Lark grammar, or None for "none" / "auto" without tools.
     Raises:
@@ -156,6 +184,8 @@ def build_tool_call_grammar(tools: Sequence[Any] | None, tool_choice: Any = None
     specs = parse_tools(tools)
     choice = parse_tool_choice(tool_choice, specs)
     f = fmt if isinstance(fmt, ToolCallFormat) else get_tool_call_format(fmt)
+    if reasoning not in REASONING_MODES:
+        raise ValueError(f"reasoning must be one of {REASONING_MODES}, got {reasoning!r}")
     if choice.mode == "none" or not specs:
         return None
     for i, t in enumerate(specs):
@@ -163,4 +193,4 @@ def build_tool_call_grammar(tools: Sequence[Any] | None, tool_choice: Any = None
             check_llguidance_grammar(json_grammar(t.parameters), "parameters")
         except StructuredOutputsError as e:
             raise ValueError(f"tools[{i}].function.parameters: {e.reason}") from None
-    return StructuredOutputs(grammar=_lark(f, specs, choice, parallel_tool_calls, special_tokens))
+    return StructuredOutputs(grammar=_lark(f, specs, choice, parallel_tool_calls, special_tokens, reasoning))

@@ -199,7 +199,10 @@ class ToolCallStreamParser:
             return self._abandon()
         if call.name is None and "name" in fields and fields["name"][1] is not None:
             vs, ve = fields["name"]
-            name = json.loads(t[vs:ve])
+            try:
+                name = json.loads(t[vs:ve])
+            except ValueError:  # not JSON (e.g. a template's "<function-name>" placeholder): not a call
+                return self._abandon()
             if not isinstance(name, str):
                 return self._abandon()
             call.name, call.id = name, self._new_id()

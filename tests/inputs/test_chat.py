@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from lightinfer.inputs import InputError, fit_context, normalize_messages, render_chat
@@ -23,9 +25,13 @@ def test_template_variables_and_tools_reach_the_template() -> None:
     seen = {}
 
     class Recording(FakeTokenizer):
+        chat_template = "chatml with tools"  # its own cache entry of template_renders_tools
+
         def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True, **kwargs):
             seen.update(kwargs)
-            return super().apply_chat_template(messages, add_generation_prompt, tokenize)
+            text = super().apply_chat_template(messages, add_generation_prompt, tokenize=False)
+            text = json.dumps(kwargs.get("tools")) + text  # a template that renders tools
+            return self.encode(text) if tokenize else text
 
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     render_chat(Recording(), [{"role": "user", "content": "hi"}], tools=tools,

@@ -117,3 +117,23 @@ def test_long_conversation_trimmed_with_notice(browser: Any, fake_server: LiveSe
         _wait_for(lambda i=i: sum("tokens/s" in t for t in _bot_texts(page)) > i, 30, f"reply {i}")
     assert "oldest messages were left out" in "\n".join(_bot_texts(page))
     page.context.close()
+
+
+def test_json_schema_box_constrains_and_formats_the_reply(browser: Any, real_server: LiveServer) -> None:
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "legs": {"type": "integer", "minimum": 0, "maximum": 8}},
+              "required": ["name", "legs"], "additionalProperties": False}
+    page = _open(browser, real_server.url, max_new_tokens="80")
+    editor = page.locator(".cm-content").last  # the JSON schema box (a code editor) in the Sampling panel
+    editor.click()
+    editor.fill(json.dumps(schema))
+    _send(page, "Describe a cat.")
+    _wait_for(lambda: any("tokens/s" in t for t in _bot_texts(page)), 90, "the reply and its stats line")
+    code = page.get_by_test_id("bot").locator("pre code").first.inner_text()
+    jsonschema.validate(json.loads(code), schema)
+    assert "\n  \"legs\"" in code  # pretty-printed, indented by 2
+    page.context.close()

@@ -69,8 +69,8 @@ def test_400_bad_parameters(client: openai.OpenAI, kwargs: dict, param: str) -> 
 
 @pytest.mark.parametrize("kwargs, needle", [
     ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
-    ({"response_format": {"type": "json_object"}}, "structured output"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool calls"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "send tools instead"),
+    ({"function_call": {"name": "f"}}, "send tool_choice instead"),
     ({"logit_bias": {"5": 10}}, "logit_bias is not supported"),
 ])
 def test_400_unsupported(client: openai.OpenAI, kwargs: dict, needle: str) -> None:

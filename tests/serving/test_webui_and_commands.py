@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,27 @@ def test_demo_quantizes_once_then_reuses(tmp_path: Path, monkeypatch: pytest.Mon
     assert commands.ensure_quantized() == first and len(calls) == 1  # cached: no second run
     commands.ensure_quantized(requantize=True)
     assert len(calls) == 2
+
+
+def test_json_schema_box_and_formatted_reply() -> None:
+    from lightinfer.webui.app import format_json_reply, json_schema_constraint
+
+    assert json_schema_constraint("") is None and json_schema_constraint("  \n") is None
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert json_schema_constraint(json.dumps(schema)) == {"json": schema}
+    with pytest.raises(ValueError, match="does not hold JSON"):
+        json_schema_constraint("{type: object")
+    with pytest.raises(ValueError, match="not a valid JSON Schema"):
+        json_schema_constraint('{"type": "objekt"}')
+    assert format_json_reply('{"a": 1, "b": [1, 2]}') == '```json\n{\n  "a": 1,\n  "b": [\n    1,\n    2\n  ]\n}\n```'
+    assert format_json_reply('{"a": 1') == '{"a": 1'  # cut off by the token limit: shown as it is
+
+
+def test_serve_tool_call_parser_flag() -> None:
+    from conftest import free_port
+
+    a = _parse(["serve", "m", "--tool-call-parser", "llama3"])
+    assert a.tool_call_parser == "llama3" and _parse(["serve", "m"]).tool_call_parser is None
+    bad = _parse(["serve", "m", "--tool-call-parser", "nope", "--port", str(free_port())])
+    with pytest.raises(ValueError, match="tool-call parser 'nope' is unknown"):  # before any model loads
+        commands.run_serve(bad)

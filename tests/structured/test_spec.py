@@ -70,3 +70,21 @@ def test_enforced_keywords_compile() -> None:
                    {"type": "object", "minProperties": 1}, {"anyOf": [{"type": "integer"}, {"type": "null"}]},
                    {"type": "array", "prefixItems": [{"type": "integer"}], "maxItems": 2}):
         assert StructuredOutputs(json=schema).json == schema
+
+
+def test_objects_that_list_properties_get_no_others(byte_backend) -> None:
+    from lightinfer.structured.spec import close_objects
+
+    def accepts(schema: dict, instance: object) -> bool:
+        m = byte_backend.matcher(StructuredOutputs(json=schema))
+        return m.accept_tokens(byte_backend.tokenizer.encode(json.dumps(instance))) and m.is_accepting()
+
+    listed = {"type": "object", "properties": {"a": {"type": "integer"},
+                                               "b": {"type": "object", "properties": {"c": {"type": "string"}}}}}
+    assert accepts(listed, {"a": 1, "b": {"c": "x"}})
+    assert not accepts(listed, {"a": 1, "z": 2}) and not accepts(listed, {"b": {"c": "x", "z": 2}})
+    assert accepts({**listed, "additionalProperties": True}, {"a": 1, "z": 2})  # said: stays open
+    assert accepts({"type": "object"}, {"z": 2})  # no properties listed: any object
+    combined = {"allOf": [{"properties": {"a": {"type": "integer"}}}, {"properties": {"b": {"type": "integer"}}}]}
+    assert close_objects(combined) is combined  # closing one branch would refuse the other's keys
+    assert close_objects({"enum": [{"properties": {}}]}) == {"enum": [{"properties": {}}]}  # values, not schemas

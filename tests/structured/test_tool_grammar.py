@@ -113,3 +113,33 @@ def test_none_and_errors() -> None:
         build_tool_call_grammar([{"type": "code_interpreter"}], "auto", "hermes")
     with pytest.raises(ValueError, match="tool-call parser 'xml' is unknown"):
         build_tool_call_grammar(TOOLS, "auto", "xml")
+
+
+THINK = "<think>\nThe user wants a sum.\n</think>\n\n"
+
+
+@pytest.mark.parametrize("backend_name", ["byte_backend", "special_think_backend"])
+def test_reasoning_block_before_the_answer(request, backend_name: str) -> None:
+    """Qwen3-style templates think first: the forced call may follow a <think> block ("optional"), or must
+    close one the prompt opened ("open"); "auto" takes the block too. Markers work as text or as tokens."""
+    backend = request.getfixturevalue(backend_name)
+    special = backend.special_token_id
+    call = ONE["hermes"]
+    optional = build_tool_call_grammar(TOOLS, "required", "hermes", special_tokens=special, reasoning="optional")
+    assert accepts(backend, optional, THINK + call) and accepts(backend, optional, call)
+    assert not accepts(backend, optional, "<think>\nhm </think> more\n</think>\n\n" + call)  # ends at the first
+    assert not accepts(backend, optional, THINK + "Sure! " + call)  # after thinking: the call, nothing else
+    opened = build_tool_call_grammar(TOOLS, NAMED, "hermes", special_tokens=special, reasoning="open")
+    assert accepts(backend, opened, THINK[len("<think>"):] + call) and not accepts(backend, opened, call)
+    auto = build_tool_call_grammar(TOOLS, "auto", "hermes", special_tokens=special, reasoning="optional")
+    assert accepts(backend, auto, THINK + "It is 3.") and accepts(backend, auto, THINK + call)
+    with pytest.raises(ValueError, match="reasoning must be one of"):
+        build_tool_call_grammar(TOOLS, "required", "hermes", reasoning="always")
+
+
+@pytest.fixture(scope="module")
+def special_think_backend():
+    from lightinfer.structured import GrammarBackend
+    from tests.structured.conftest import SPECIAL, byte_tokenizer
+
+    return GrammarBackend(byte_tokenizer([*SPECIAL, "<think>", "</think>"]))

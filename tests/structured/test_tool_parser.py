@@ -98,6 +98,9 @@ def test_marker_prefix_is_held_back_until_decided() -> None:
     ("hermes", '<tool_call>\n{"name": "f", "arguments": {"x": 1', '{"name": "f", "arguments": {"x": 1', []),
     ("hermes", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\nDone.', "Done.", [("f", "{}")]),
     ("llama3_json", '{"parameters": {"x": 2}, "name": "g"}', None, [("g", '{"x": 2}')]),
+    # a template's own instructions, not a call: the name is no JSON value
+    ("hermes", '<tool_call>\n{"name": <function-name>, "arguments": <args>}\n</tool_call>',
+     '{"name": <function-name>, "arguments": <args>}\n</tool_call>', []),
 ])
 def test_edge_cases(fmt, text, content, calls) -> None:
     parsed = parse_tool_calls(text, fmt, counter())
