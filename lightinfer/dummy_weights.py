@@ -60,7 +60,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     gen.manual_seed(seed)
     for module in model.modules():
         if isinstance(module, RMSNorm):
-            module.weight.fill_(1.0)
+            module.weight.fill_(1.0 - getattr(module, "weight_offset", 0.0))  # a scale of 1 (Gemma's 1 + w too)
         elif isinstance(module, W4A16Linear):
             # A contiguous int32 [N, K/8] viewed as bytes: every nibble uniform in [0, 15].
             module.qweight.view(torch.uint8).random_(0, 256, generator=gen)

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 from lightinfer.models.base import CausalLM
+from lightinfer.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from lightinfer.models.llama import LlamaForCausalLM
+from lightinfer.models.phi3 import Phi3ForCausalLM
 from lightinfer.models.qwen2 import Qwen2ForCausalLM
 from lightinfer.models.qwen3 import Qwen3ForCausalLM
 
@@ -13,10 +15,14 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 # GGUF files carry no `architectures`; their model_type says it.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                  "phi3": "Phi3ForCausalLM"}
 
 
 def architecture_of(hf_config: object) -> str:

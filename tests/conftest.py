@@ -39,7 +39,9 @@ def write_tiny_checkpoint(
                 "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
     base.update(overrides)
     cfg_cls = {"LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig,
-               "Qwen2ForCausalLM": transformers.Qwen2Config, "Qwen3ForCausalLM": transformers.Qwen3Config}[arch]
+               "Qwen2ForCausalLM": transformers.Qwen2Config, "Qwen3ForCausalLM": transformers.Qwen3Config,
+               "Gemma2ForCausalLM": transformers.Gemma2Config, "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
+               "Phi3ForCausalLM": transformers.Phi3Config}[arch]
     cfg = cfg_cls(**base)
     cfg.architectures = [arch]
     torch.manual_seed(seed)
