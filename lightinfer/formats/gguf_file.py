@@ -31,6 +31,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
 
 from lightinfer.formats.gguf_blocks import DENSE_TYPES, UNPACKERS
+from lightinfer.formats.gguf_rope import apply_rope_overrides, rope_overrides
 from lightinfer.formats.scheme import LINEAR_FORMATS_KEY, LinearFormat
 
 SUPPORTED_TYPES = (*DENSE_TYPES, *UNPACKERS)
@@ -146,11 +147,13 @@ class GGUFFile:
         self.architecture = str(arch_field.contents()) if arch_field is not None else "?"
         infos = [(t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), int(t.data_offset),
                   int(t.n_bytes)) for t in reader.tensors]
+        rope = rope_overrides(reader, self.architecture)  # what transformers' reader drops (gguf_rope.py)
         del reader  # drops its memory map
         try:
             self.config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name)
         except (ValueError, KeyError, OSError, NotImplementedError) as e:
             raise ValueError(f"{self.path}: transformers cannot read its config ({e})") from e
+        apply_rope_overrides(self.config, rope)
         self._processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=self.config.to_dict())
         with torch.device("meta"):  # only for names: a meta model allocates nothing
             skeleton = AutoModelForCausalLM.from_config(self.config)

@@ -32,7 +32,8 @@ choice once per engine, from ``max_model_len``:
 
 The longest sequence a config allows (:func:`rope_max_positions`, what ``max_model_len`` defaults to and is
 checked against) is the config's own: ``mpe`` for default, llama3 and longrope (whose configs already give
-the extended length), ``mpe * factor`` for linear and dynamic, ``L0 * factor`` for yarn (vLLM's rule).
+the extended length), ``mpe * factor`` for linear and dynamic, ``L0 * factor`` for yarn (vLLM's rule; like
+vLLM, Gemma 3's ``mpe``, 128k, is taken as it is: its global layers' linear x8 is already counted in it).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class RopeSpec:
         params: the scaling's own fields (``factor``, ``short_factor``, ...), empty for default.
         head_dim: the attention head size; rotary_dim: how many leading dims of each head rotate (even).
         max_position_embeddings: the config's ``max_position_embeddings``.
+        scaled_max_position: ``max_position_embeddings`` already counts the scaling (Gemma 3).
     """
 
     theta: float
@@ -65,6 +67,7 @@ class RopeSpec:
     rotary_dim: int
     max_position_embeddings: int
     params: dict = field(default_factory=dict)
+    scaled_max_position: bool = False
 
     @property
     def original_max_position(self) -> int:
@@ -74,6 +77,8 @@ class RopeSpec:
     def max_positions(self) -> int:
         """The longest sequence this RoPE is meant for (module docstring)."""
         factor = float(self.params.get("factor") or 1.0)
+        if self.scaled_max_position:
+            return self.max_position_embeddings
         if self.rope_type in ("linear", "dynamic"):
             return int(self.max_position_embeddings * factor)
         if self.rope_type == "yarn":
@@ -132,7 +137,8 @@ def rope_spec(hf_config: object, layer_type: str | None = None) -> RopeSpec:
             if len(extra[name]) != rotary_dim // 2:
                 raise ValueError(f"rope scaling 'longrope': {name} has {len(extra[name])} entries, the rotary "
                                  f"dimension {rotary_dim} needs {rotary_dim // 2}")
-    return RopeSpec(float(theta), kind, int(head_dim), rotary_dim, mpe, extra)
+    scaled = "gemma3" in str(getattr(c, "model_type", ""))
+    return RopeSpec(float(theta), kind, int(head_dim), rotary_dim, mpe, extra, scaled)
 
 
 def layer_types_of(hf_config: object) -> list[str]:

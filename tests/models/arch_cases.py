@@ -27,7 +27,7 @@ CASES: dict[str, tuple[str, dict, tuple[int, ...]]] = {
     "gemma2": ("Gemma2ForCausalLM", {**GEMMA, "num_hidden_layers": 4, "attn_logit_softcapping": 1.0,
                                      "final_logit_softcapping": 3.0, "tie_word_embeddings": True}, (37, 90, 150)),
     "gemma3": ("Gemma3ForCausalLM", {**GEMMA, "num_hidden_layers": 4, "layer_types": [SLIDING, SLIDING, FULL, SLIDING],
-                                     "max_position_embeddings": 128,
+                                     "max_position_embeddings": 256,
                                      "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
                                                          FULL: {"rope_type": "linear", "factor": 4.0,
                                                                 "rope_theta": 1e6}}}, (37, 90, 150)),
