@@ -38,8 +38,8 @@ from .attention_plan import (
     decode_split_plan,
 )
 from .launch_utils import COMPILE_OPTIONS, FLOAT_DTYPES, check_device, next_pow2, upcast_dot
-from .paged_kv import PagedKV
 from .norm_rope import tanh_f32
+from .paged_kv import PagedKV
 from .pdl import pdl_launch, pdl_start
 
 __all__ = ["DECODE_CONFIGS", "MAX_DECODE_SPLITS", "MIN_PARTITION_SIZE", "PARTITION_SIZE", "PREFILL_CONFIGS",

@@ -13,7 +13,6 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-
 # Soft-capped attention has no SDPA kernel: its scores are computed explicitly, this many queries at a time
 # (bounds the [H, rows, Lk] fp32 score block: 32 MiB for 8 heads over 2,048 keys).
 SOFTCAP_QUERY_CHUNK = 512

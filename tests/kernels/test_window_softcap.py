@@ -108,7 +108,7 @@ def test_triton_decode_and_prefill_match_reference(cache_dtype: torch.dtype, dty
 
 
 def test_window_and_softcap_arguments_are_checked() -> None:
-    kc, vc, table, lens, aux = _cache([4], 1, 16, 16, torch.float32, torch.float32)
+    kc, vc, table, lens, _aux = _cache([4], 1, 16, 16, torch.float32, torch.float32)
     q = torch.randn(1, 1, 16)
     with pytest.raises(ValueError, match="window"):
         paged_attention_decode(q, PagedKV(kc, vc), table, lens, 1.0, window=-3)
