@@ -75,8 +75,8 @@ class EngineConfig:
         model: a Hugging Face folder, a ``.gguf`` file or ``smollm2-135m-instruct``.
         dtype: activation / weight dtype: "auto", "float32", "float16", "bfloat16".
         device: "auto", "cpu" or "cuda[:i]".
-        max_model_len: longest sequence (prompt + output) in tokens; None = the model's
-            ``max_position_embeddings`` capped at 8192.
+        max_model_len: longest sequence (prompt + output) in tokens; None = the model's own limit
+            (``max_position_embeddings``, with its RoPE scaling: ``layers/rope_scaling.py``) capped at 8192.
         block_size: tokens per KV block.
         max_num_seqs: most sequences in one step.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).

@@ -353,7 +353,7 @@ class LLMEngine:
             "weights": describe_formats(self.model_runner.weight_formats),
             "kv_cache_dtype": "int8" if spec.is_int8 else str(spec.dtype).replace("torch.", ""),
             "weight_bytes": self.model_runner.weight_bytes,
-            "num_kv_blocks": self.block_manager.num_blocks,
+            "num_kv_blocks": self.model_runner.num_blocks,
             "block_size": spec.block_size,
             "kv_pool_tokens": self.model_runner.num_blocks * spec.block_size,
             # per KV-cache group (sliding-window layers keep their own pool): window (None: full), layers, blocks
