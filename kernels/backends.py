@@ -37,6 +37,7 @@ OP_NAMES = (
     "rope_store_kvcache",
     "silu_and_mul",
     "gelu_tanh_and_mul",
+    "fused_moe",
 )
 
 _loaded: dict[str, ModuleType] = {}

@@ -152,6 +152,20 @@ class Gemma2ForCausalLM(CausalLM):
         return {"hidden_size": hf_config.hidden_size, "intermediate_size": hf_config.intermediate_size,
                 "num_attention_heads * head_dim": hf_config.num_attention_heads * head_dim_of(hf_config)}
 
+    @classmethod
+    def weight_bytes_by_part(cls, hf_config: object, bits: int = 16, group_size: int = 128,
+                             dtype_bytes: int = 2) -> dict[str, int]:
+        """Weight bytes by part from the config alone: Llama's arithmetic (``models/sizes.py``) plus the
+        pre/post feed-forward norms Gemma adds to every layer."""
+        from lightinfer.models.sizes import llama_family_weight_bytes
+
+        c = hf_config
+        parts = llama_family_weight_bytes(c, None, bits, group_size, dtype_bytes, head_dim_of(c),
+                                          qkv_bias=bool(getattr(c, "attention_bias", False)),
+                                          qk_norm=cls.decoder_layer_cls.qk_norm)
+        parts["norms"] += 2 * int(c.num_hidden_layers) * int(c.hidden_size) * dtype_bytes
+        return parts
+
     def forward(
         self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -6,9 +6,12 @@ from __future__ import annotations
 from lightinfer.models.base import CausalLM
 from lightinfer.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from lightinfer.models.llama import LlamaForCausalLM
+from lightinfer.models.mixtral import MixtralForCausalLM
 from lightinfer.models.phi3 import Phi3ForCausalLM
 from lightinfer.models.qwen2 import Qwen2ForCausalLM
+from lightinfer.models.qwen2_moe import Qwen2MoeForCausalLM
 from lightinfer.models.qwen3 import Qwen3ForCausalLM
+from lightinfer.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -18,11 +21,15 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 # GGUF files carry no `architectures`; their model_type says it.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                  "phi3": "Phi3ForCausalLM"}
+                  "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def architecture_of(hf_config: object) -> str:

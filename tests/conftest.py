@@ -41,7 +41,9 @@ def write_tiny_checkpoint(
     cfg_cls = {"LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig,
                "Qwen2ForCausalLM": transformers.Qwen2Config, "Qwen3ForCausalLM": transformers.Qwen3Config,
                "Gemma2ForCausalLM": transformers.Gemma2Config, "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
-               "Phi3ForCausalLM": transformers.Phi3Config}[arch]
+               "Phi3ForCausalLM": transformers.Phi3Config,
+               "MixtralForCausalLM": transformers.MixtralConfig, "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
+               "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig}[arch]
     cfg = cfg_cls(**base)
     cfg.architectures = [arch]
     torch.manual_seed(seed)
@@ -52,6 +54,8 @@ def write_tiny_checkpoint(
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif "bias" in name:
                 p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith((".gate.weight", "shared_expert_gate.weight")):  # MoE routers: no ties
+                p.copy_(torch.randn_like(p))
     model.save_pretrained(path, safe_serialization=True)
     _save_tokenizer(path, base["vocab_size"])
     return path

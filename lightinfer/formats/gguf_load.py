@@ -21,15 +21,20 @@ Per tensor (``GGUFFile.tensor_format`` decides the layout when the model is buil
 * Other quantized types (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) into ``W8A16Linear``: the codes as int8, the
   scales and zeros in fp32, which holds every product ``d * sc`` exactly: no rounding at all.
 * F32 / F16 / BF16 into the dense parameters (activation dtype).
+* MoE experts, stacked per projection in the file (``blk.N.ffn_gate_exps`` ``[E, N, K]``), into
+  ``FusedMoE``'s stacks (:func:`load_stacked_experts`): 4-bit types as W4 (fractional zeros kept on every
+  device: the MoE kernels subtract zeros in fp32), other types dequantized once into a dense stack.
 
 The token embedding and an untied output head of a quantized type become
 ``QuantizedVocabEmbedding`` / ``QuantizedLMHead`` over a W4/W8 table (tied: the head shares it).
 
-A GPU note: the W4 kernels decode ``q - z`` exactly only for integer zero points (``kernels/w4_decode``
-adds the zero to a power-of-two float bias, whose integer-spaced mantissa rounds a fraction away). So
-on CUDA a Q4_1 / Q4_K tensor (fractional zeros) loads as W8 with the same codes, scales and zeros
-(exact, 1.25 bytes per weight) until ``kernels/w4a16_gemm`` declares ``FRACTIONAL_ZEROS = True``.
-Q4_0 (zero 8) always runs as W4.
+On CUDA too, all three 4-bit types run as W4 (0.5 bytes per weight plus the group's scale and zero):
+the W4 kernels subtract a fractional zero point exactly (``kernels/w4a16_gemm`` declares
+``FRACTIONAL_ZEROS = True``), so what is rounded is only the storage above. A layer whose zeros are all
+integers (Q4_0) is marked ``integer_zeros`` at load and takes the kernels' cheaper decode (fp16 pairs);
+Q4_1 / Q4_K layers, and projections fused with one, take their exact fp32 decode (one more FADD per
+weight). ``fractional_zeros_ok=False`` still loads Q4_1 / Q4_K as W8 with the same codes, scales and
+zeros (exact, 1.25 bytes per weight), and so does CUDA with a kernel package that does not declare it.
 """
 
 from __future__ import annotations
@@ -41,11 +46,12 @@ import torch
 from torch import nn
 
 from lightinfer.formats.gguf_blocks import GroupCodes, unpack_blocks
-from lightinfer.formats.gguf_file import GGUFFile, GGUFTensor
+from lightinfer.formats.gguf_file import STACKED_SUFFIX, GGUFFile, GGUFTensor
 from lightinfer.formats.packing import check_finite
 from lightinfer.formats.scheme import LinearFormat
 from lightinfer.layers.embed_head import LMHead, VocabEmbedding
 from lightinfer.layers.linear import Linear, W4A16Linear
+from lightinfer.layers.moe import FusedMoE
 from lightinfer.layers.quant_embed import QuantizedLMHead, QuantizedVocabEmbedding
 from lightinfer.layers.w8_linear import W8A16Linear
 
@@ -61,9 +67,15 @@ def w4_kernels_take_fractional_zeros() -> bool:
     return bool(getattr(w4a16_gemm, "FRACTIONAL_ZEROS", False))
 
 
+def fractional_w4_allowed(device: torch.device) -> bool:
+    """Whether W4 layers on ``device`` may hold fractional zero points: on a CPU always (the CPU path dequantizes
+    in fp32), on CUDA when the Triton W4 kernels declare it (:func:`w4_kernels_take_fractional_zeros`)."""
+    return device.type != "cuda" or w4_kernels_take_fractional_zeros()
+
+
 def _codes(gf: GGUFFile, t: GGUFTensor) -> GroupCodes:
     """Unpack a quantized matrix, rows in transformers' order, scales checked finite."""
-    gc = unpack_blocks(gf.read_raw(t), t.ggml_type, t.shape[1])
+    gc = unpack_blocks(gf.read_raw(t), t.ggml_type, t.shape[-1])
     where = f"{gf.path}: tensor {t.gguf_name} ({t.type_name})"
     check_finite(gc.scale, where + " block scales", t.hf_name[: -len(".weight")])
     if gc.zero is not None:
@@ -131,8 +143,8 @@ def load_gguf_weights(model: nn.Module, gf: GGUFFile, fractional_zeros_ok: bool 
 
     Args:
         fractional_zeros_ok: whether W4 layers may hold fractional zero points (Q4_1 / Q4_K); None:
-            yes on a CPU, on CUDA only when the W4 kernels declare it (module docstring). Where not,
-            those tensors load as W8 with the same codes, scales and zeros.
+            yes on a CPU, and on CUDA when the W4 kernels declare it (they do: module docstring). Where
+            not, those tensors load as W8 with the same codes, scales and zeros.
 
     Returns:
         Module name -> how it was loaded (``"W4 (GGUF Q4_1, g32)"``...), for the start-up summary.
@@ -144,8 +156,7 @@ def load_gguf_weights(model: nn.Module, gf: GGUFFile, fractional_zeros_ok: bool 
     params = dict(model.named_parameters())
     tied = bool(getattr(model, "tie_word_embeddings", False))
     device = next(model.parameters()).device
-    fractional_w4_ok = fractional_zeros_ok if fractional_zeros_ok is not None else (
-        device.type != "cuda" or w4_kernels_take_fractional_zeros())
+    fractional_w4_ok = fractional_zeros_ok if fractional_zeros_ok is not None else fractional_w4_allowed(device)
     report: dict[str, str] = {}
     loaded: set[str] = set()
     fallback_w8 = 0
@@ -153,6 +164,10 @@ def load_gguf_weights(model: nn.Module, gf: GGUFFile, fractional_zeros_ok: bool 
         module_name = name.rsplit(".", 1)[0]
         module = modules.get(module_name)
         fmt = gf.tensor_format(name)
+        if isinstance(module, FusedMoE):  # stacked experts (blk.N.ffn_*_exps) straight into the stacks
+            report[name] = load_stacked_experts(module, name.rsplit(".", 1)[1], gf, t, fmt)
+            loaded.update(f"{module_name}.{p}" for p in module.stacked_parameter_names)
+            continue
         if isinstance(module, (VocabEmbedding, LMHead)) and fmt.kind != "dense":
             _swap_table(model, module_name, module, gf, t, fmt, device, fractional_w4_ok, tied, report)
             loaded.update(n for n in params if n.startswith(module_name + ".") or (tied and n == "lm_head.weight"))
@@ -188,14 +203,52 @@ def load_gguf_weights(model: nn.Module, gf: GGUFFile, fractional_zeros_ok: bool 
     if tied and "lm_head" not in report and "model.embed_tokens" in report:
         report["lm_head"] = f"tied to embed_tokens: {report['model.embed_tokens']}"
     missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")]
+    missing += [f"{m}.{p}{STACKED_SUFFIX}" for m, mod in model.named_modules() if isinstance(mod, FusedMoE)
+                for p in ("gate", "up", "down") if f"{m}.{p}{STACKED_SUFFIX}" not in report]
     missing += [m for m, mod in model.named_modules() if isinstance(mod, (W4A16Linear, W8A16Linear))
                 and m not in report and not m.endswith(".table")]
     if missing:
         raise ValueError(f"{gf.path} lacks {len(missing)} weights, e.g. {', '.join(missing[:5])}")
     if fallback_w8:
-        logger.info("%d Q4_1/Q4_K tensors load as W8: their zero points are fractional and the W4 kernels round "
-                    "them (kernels/w4_decode); same codes and scales, 1.25 bytes per weight", fallback_w8)
+        logger.info("%d Q4_1/Q4_K tensors load as W8 (fractional zero points not allowed on W4 here); same codes "
+                    "and scales, 1.25 bytes per weight", fallback_w8)
     return report
+
+
+@torch.no_grad()
+def load_stacked_experts(moe: FusedMoE, leaf: str, gf: GGUFFile, t: GGUFTensor, fmt: LinearFormat) -> str:
+    """One stacked expert tensor (``gate_exps`` / ``up_exps`` / ``down_exps``, ``[E, N, K]``) into ``moe``'s
+    gate/up or down stack: the 4-bit codes, scales and zeros as they are where the stack is W4 (groups of 32,
+    fractional zeros kept: the MoE kernels subtract them in fp32), else dequantized once into the dense stack
+    (8-bit types such as a Q4_K_M file's Q6_K down experts). Returns how it was loaded.
+
+    Raises:
+        ValueError: a shape that does not fit the layer, or NaN/inf block scales (naming the tensor).
+    """
+    part = leaf[: -len(STACKED_SUFFIX)]
+    stack = "w2" if part == "down" else "w13"
+    inter = moe.intermediate_size
+    rows = slice(None) if part == "down" else slice(0, inter) if part == "gate" else slice(inter, 2 * inter)
+    e, n, k = t.shape
+    want = (moe.num_experts, moe.hidden_size if part == "down" else inter, inter if part == "down" else moe.hidden_size)
+    if (e, n, k) != want:
+        raise ValueError(f"{gf.path}: tensor {t.gguf_name} has shape {(e, n, k)}, the model expects {want}")
+    if moe.is_quantized(stack) and fmt.kind == "w4":
+        gc = _codes(gf, t)
+        if gc.group_size != moe.group_sizes[stack]:
+            raise ValueError(f"{gf.path}: tensor {t.gguf_name} has groups of {gc.group_size}, the stack "
+                             f"{moe.group_sizes[stack]}")
+        zero = gc.zero if gc.zero is not None else np.zeros_like(gc.scale)
+        dtype = getattr(moe, f"{stack}_scales").dtype
+        getattr(moe, f"{stack}_qweight")[:, rows] = pack_codes_w4(gc.codes).view(e, n, k // 8)
+        for buf, values in (("scales", gc.scale), ("zeros", zero)):  # [E * N, K // G] -> [E, K // G, N]
+            target = getattr(moe, f"{stack}_{buf}")
+            target[:, :, rows] = torch.from_numpy(values).view(e, n, -1).transpose(1, 2).to(dtype)
+        moe.weights_changed()
+        return fmt.describe()
+    getattr(moe, f"{stack}_weight")[:, rows] = gf.dequantize(t.hf_name).to(getattr(moe, f"{stack}_weight").dtype)
+    moe.weights_changed()
+    return f"dense ({fmt.source})"
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
