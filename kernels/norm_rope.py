@@ -1,4 +1,5 @@
-"""Element-wise and row-wise kernels: RMSNorm, fused residual add + RMSNorm, rotary, SiLU-and-mul.
+"""Element-wise and row-wise kernels: RMSNorm, fused residual add + RMSNorm, rotary, SiLU-and-mul and
+GeGLU (tanh-GELU-and-mul, Gemma's MLP).
 
 All compute in fp32 and return the input dtype, like their twins in ``reference``. One program
 per row (token); the whole row lives in registers (hidden sizes up to 16384). Outputs are new
@@ -80,8 +81,20 @@ def rotary_qk_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, nu
 
 
 @triton.jit
+def tanh_f32(x):
+    """tanh in fp32 from one exp (no libdevice call, so the CPU interpreter runs it too): ``1 - 2 / (e^2x + 1)``,
+    exact at the limits (e^2x overflowing to inf gives 1, underflowing to 0 gives -1)."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+ACT_SILU = 0  # silu_and_mul_kernel's ACT: which gate activation
+ACT_GELU_TANH = 1
+
+
+@triton.jit
 def silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, xb_ptr, stride_split, num_splits,
-                        BLOCK: tl.constexpr, SPLITS: tl.constexpr = False, SPLIT_BIAS: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                        BLOCK: tl.constexpr, SPLITS: tl.constexpr = False, SPLIT_BIAS: tl.constexpr = False,
+                        USE_PDL: tl.constexpr = False, ACT: tl.constexpr = 0):
     pdl_start(USE_PDL)  # before any memory access (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -91,7 +104,11 @@ def silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, xb_ptr, strid
     b = load_input(x_ptr + row * stride_x, xb_ptr, inter + cols, mask, stride_split, num_splits, SPLITS, SPLIT_BIAS,
                    dt)
     a, b = a.to(tl.float32), b.to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (a / (1.0 + tl.exp(-a)) * b).to(out_ptr.dtype.element_ty), mask=mask)
+    if ACT == 1:  # ACT_GELU_TANH: GELU, tanh approximation: 0.5 a (1 + tanh(sqrt(2/pi) (a + 0.044715 a^3)))
+        g = 0.5 * a * (1.0 + tanh_f32(0.7978845608028654 * (a + 0.044715 * a * a * a)))
+    else:
+        g = a / (1.0 + tl.exp(-a))
+    tl.store(out_ptr + row * stride_o + cols, (g * b).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _norm(name: str, x: torch.Tensor | SplitKPartials, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -154,12 +171,14 @@ def rotary_qk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE (HF Llama convention) of q and k at ``positions`` in one launch, reading
     ``cos_cache``/``sin_cache`` (any scaling, llama3 or yarn, is in the tables) in the kernel: gathering
-    the tables and rotating q and k apart took four launches per layer.
+    the tables and rotating q and k apart took four launches per layer. Tables narrower than ``D // 2``
+    rotate only the first ``R = 2 * cos_cache.shape[1]`` dims of each head (partial rotary, Phi-4-mini); the
+    others are copied.
 
     Args:
         positions: int32/int64 ``[T]``, each below ``cos_cache.shape[0]`` (not checked: that would sync).
         q: float ``[T, Hq, D]``; k: float ``[T, Hk, D]`` (D even), stride 1 on D, same dtype.
-        cos_cache, sin_cache: float ``[max_position, D // 2]``, stride 1 on the last dim.
+        cos_cache, sin_cache: float ``[max_position, R // 2]`` (R <= D), stride 1 on the last dim.
     Returns:
         New ``(q_rot, k_rot)`` in q's dtype and shapes.
     Raises:
@@ -170,19 +189,23 @@ def rotary_qk(
         raise ValueError(f"rotary_qk: q [T, Hq, D] and k [T, Hk, D] (D even, one float dtype), got "
                          f"{tuple(q.shape)} {q.dtype} / {tuple(k.shape)} {k.dtype}")
     t, hq, d = q.shape
-    half = d // 2
+    half = cos_cache.shape[1] if cos_cache.dim() == 2 else -1
     if positions.shape != (t,) or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"rotary_qk: positions must be int32/int64 [{t}], got {tuple(positions.shape)} "
                          f"{positions.dtype}")
     for name, c in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
-        if c.dim() != 2 or c.shape[1] != half or c.dtype not in FLOAT_DTYPES or c.stride(1) != 1:
-            raise ValueError(f"rotary_qk: {name} must be float [max_position, {half}] with stride 1, got "
-                             f"{tuple(c.shape)} {c.dtype}")
+        if c.dim() != 2 or c.shape[1] != half or not 0 < half <= d // 2 or c.dtype not in FLOAT_DTYPES \
+                or c.stride(1) != 1:
+            raise ValueError(f"rotary_qk: {name} must be float [max_position, R // 2] (R <= {d} rotated dims) with "
+                             f"stride 1, cos_cache and sin_cache of one shape, got {tuple(c.shape)} {c.dtype}")
     check_device("rotary_qk", q, k, positions, cos_cache, sin_cache)
     q = q if q.stride(2) == 1 else q.contiguous()
     k = k if k.stride(2) == 1 else k.contiguous()
-    q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if 2 * half < d:  # partial rotary: the kernel writes the rotated dims, the copies hold the rest
+        q_out, k_out = q.contiguous().clone(), k.contiguous().clone()
+    else:
+        q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+        k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if t:
         bq, bk, bh = next_pow2(hq), next_pow2(k.shape[1]), next_pow2(half)
         rotary_qk_kernel[(t,)](q, k, positions, cos_cache, sin_cache, q_out, k_out, hq, k.shape[1], half,
@@ -193,6 +216,20 @@ def rotary_qk(
     return q_out, k_out
 
 
+def _act_and_mul(name: str, x: torch.Tensor | SplitKPartials, act: int) -> torch.Tensor:
+    if len(x.shape) < 1 or x.shape[-1] % 2:
+        raise ValueError(f"{name}: last dim must be even, got {tuple(x.shape)}")
+    check_device(name, x)
+    x2, split_args, split_ce = split_k_args(name, x)
+    inter = x.shape[-1] // 2
+    out = torch.empty((x2.shape[0], inter), dtype=x.dtype, device=x.device)
+    if x2.shape[0] and inter:
+        silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, SILU_BLOCK))](
+            x2, out, inter, x2.stride(0), out.stride(0), *split_args, BLOCK=SILU_BLOCK, num_warps=4, **split_ce,
+            ACT=act, **pdl_launch(x2.device), **COMPILE_OPTIONS)
+    return out.view(*x.shape[:-1], inter)
+
+
 def silu_and_mul(x: torch.Tensor | SplitKPartials) -> torch.Tensor:
     """``x [..., 2 I]`` -> ``silu(x[..., :I]) * x[..., I:]`` in fp32, returned in ``x.dtype``.
 
@@ -201,14 +238,14 @@ def silu_and_mul(x: torch.Tensor | SplitKPartials) -> torch.Tensor:
     Raises:
         ValueError: odd last dim, non-float dtype, or a device Triton cannot run on.
     """
-    if len(x.shape) < 1 or x.shape[-1] % 2:
-        raise ValueError(f"silu_and_mul: last dim must be even, got {tuple(x.shape)}")
-    check_device("silu_and_mul", x)
-    x2, split_args, split_ce = split_k_args("silu_and_mul", x)
-    inter = x.shape[-1] // 2
-    out = torch.empty((x2.shape[0], inter), dtype=x.dtype, device=x.device)
-    if x2.shape[0] and inter:
-        silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, SILU_BLOCK))](
-            x2, out, inter, x2.stride(0), out.stride(0), *split_args, BLOCK=SILU_BLOCK, num_warps=4, **split_ce,
-            **pdl_launch(x2.device), **COMPILE_OPTIONS)
-    return out.view(*x.shape[:-1], inter)
+    return _act_and_mul("silu_and_mul", x, ACT_SILU)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor | SplitKPartials) -> torch.Tensor:
+    """``x [..., 2 I]`` -> ``gelu_tanh(x[..., :I]) * x[..., I:]`` (GeGLU with tanh-approximated GELU, Gemma's MLP)
+    in fp32, returned in ``x.dtype``; ``x`` may be split-K partials, as :func:`silu_and_mul`.
+
+    Raises:
+        ValueError: odd last dim, non-float dtype, or a device Triton cannot run on.
+    """
+    return _act_and_mul("gelu_tanh_and_mul", x, ACT_GELU_TANH)

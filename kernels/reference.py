@@ -31,10 +31,11 @@ from .w4_layout import (
 )
 
 __all__ = ["AWQ_ORDER", "AWQ_REVERSE_ORDER", "apply_rotary", "attend", "dequantize_kv_int8", "dequantize_w4",
-           "fused_add_rms_norm", "fused_moe", "gather_kv", "pack_awq", "pack_int4_rows", "paged_attention_decode",
+           "fused_add_rms_norm", "fused_moe", "gather_kv", "gelu_tanh_and_mul", "pack_awq", "pack_int4_rows",
+           "paged_attention_decode",
            "paged_attention_prefill", "quantize_kv_int8", "repack_awq_to_runtime", "rms_norm", "rope_store_kvcache",
            "rotary_qk", "silu_and_mul", "store_kvcache", "unpack_awq", "unpack_int4_rows", "varlen_causal_attention",
-           "w4a16_gemm"]
+           "w4a16_gemm", "window_start"]
 
 
 # ----------------------------------------------------------------------------- W4A16
@@ -118,10 +119,10 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, kv: PagedKV, slot_mapp
 
 
 def gather_kv(kv: PagedKV, block_table: torch.Tensor, length: int,
-              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``length`` tokens of one sequence, read token by token through its ``block_table``:
-    K and V ``[length, num_kv_heads, head_dim]`` in ``dtype`` (INT8 dequantized)."""
-    pos = torch.arange(length, device=block_table.device)
+              dtype: torch.dtype, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``start .. length - 1`` of one sequence, read token by token through its ``block_table``:
+    K and V ``[length - start, num_kv_heads, head_dim]`` in ``dtype`` (INT8 dequantized)."""
+    pos = torch.arange(start, length, device=block_table.device)
     blk, off = block_table[pos // kv.block_size].long(), pos % kv.block_size
     if kv.is_int8:
         return (dequantize_kv_int8(kv.k[blk, off], kv.k_scale[blk, off], kv.k_zero[blk, off], dtype),
@@ -132,41 +133,59 @@ def gather_kv(kv: PagedKV, block_table: torch.Tensor, length: int,
 # ----------------------------------------------------------------------------- attention
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int, window: int = 0,
+           softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of one sequence in fp32: q ``[Lq, H, D]``, k/v ``[Lk, Hkv, D]`` (each KV head serves
-    ``H // Hkv`` query heads); query i sees keys ``0 .. causal_offset + i``. Returns ``[Lq, H, D]`` in ``q.dtype``."""
+    ``H // Hkv`` query heads); query i sees keys ``0 .. causal_offset + i``, and with ``window > 0`` only the last
+    ``window`` of them (keys ``> causal_offset + i - window``). ``softcap > 0`` caps the scaled scores:
+    ``softcap * tanh(s / softcap)`` (Gemma 2). Returns ``[Lq, H, D]`` in ``q.dtype``."""
     group = q.shape[1] // k.shape[1]
     kf = k.to(torch.float32).repeat_interleave(group, dim=1)
     vf = v.to(torch.float32).repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.to(torch.float32), kf) * scale
-    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= \
-        torch.arange(q.shape[0], device=q.device)[:, None] + causal_offset
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    key = torch.arange(k.shape[0], device=q.device)[None, :]
+    last = torch.arange(q.shape[0], device=q.device)[:, None] + causal_offset
+    visible = key <= last
+    if window > 0:
+        visible &= key > last - window
     probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, vf).to(q.dtype)
 
 
+def window_start(first_query_pos: int, window: int) -> int:
+    """The first key position a query at ``first_query_pos`` (or any later one) can see: 0 without a window."""
+    return max(0, first_query_pos - window + 1) if window > 0 else 0
+
+
 def paged_attention_decode(q: torch.Tensor, kv: PagedKV, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """One new query token per sequence against its whole cached context.
+                           scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """One new query token per sequence against its cached context.
 
     Args:
         q: ``[num_seqs, num_heads, head_dim]``.
         kv: the layer's cache.
-        block_tables: int32 ``[num_seqs, max_num_blocks]`` (unused entries -1).
+        block_tables: int32 ``[num_seqs, max_num_blocks]`` (unused entries -1; with a window, entries of
+            blocks wholly before it may be -1 too: they are never read).
         context_lens: int32 ``[num_seqs]`` tokens in the cache, the new one included.
         scale: softmax scale.
+        window: sliding-window size (the query sees the last ``window`` tokens); 0 = the whole context.
+        softcap: tanh soft-capping of the scaled scores (Gemma 2); 0 = none.
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``.
     """
     out = torch.empty_like(q)
     for i, n in enumerate(context_lens.tolist()):
-        k, v = gather_kv(kv, block_tables[i], n, torch.float32)
-        out[i] = attend(q[i:i + 1], k, v, scale, causal_offset=n - 1)[0]
+        lo = window_start(n - 1, window)
+        k, v = gather_kv(kv, block_tables[i], n, torch.float32, start=lo)
+        out[i] = attend(q[i:i + 1], k, v, scale, causal_offset=n - 1 - lo, window=window, softcap=softcap)[0]
     return out
 
 
 def paged_attention_prefill(q: torch.Tensor, kv: PagedKV, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                            block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+                            block_tables: torch.Tensor, scale: float, window: int = 0,
+                            softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of new tokens over cached prefix blocks plus themselves (already stored).
 
     Args:
@@ -176,6 +195,7 @@ def paged_attention_prefill(q: torch.Tensor, kv: PagedKV, cu_seqlens_q: torch.Te
         context_lens: int32 ``[num_seqs]`` total tokens in the cache per sequence (prefix + new).
         block_tables: int32 ``[num_seqs, max_num_blocks]``.
         scale: softmax scale.
+        window, softcap: as :func:`paged_attention_decode`.
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
     """
@@ -183,19 +203,22 @@ def paged_attention_prefill(q: torch.Tensor, kv: PagedKV, cu_seqlens_q: torch.Te
     bounds = cu_seqlens_q.tolist()
     for i, n in enumerate(context_lens.tolist()):
         a, b = bounds[i], bounds[i + 1]
-        k, v = gather_kv(kv, block_tables[i], n, torch.float32)
-        out[a:b] = attend(q[a:b], k, v, scale, causal_offset=n - (b - a))
+        lo = window_start(n - (b - a), window)
+        k, v = gather_kv(kv, block_tables[i], n, torch.float32, start=lo)
+        out[a:b] = attend(q[a:b], k, v, scale, causal_offset=n - (b - a) - lo, window=window, softcap=softcap)
     return out
 
 
 def varlen_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention without a cache within each sequence of ``cu_seqlens`` (int32 ``[num_seqs + 1]``):
-    q ``[T, H, D]``, k/v ``[T, Hkv, D]`` -> ``[T, H, D]`` in ``q.dtype``."""
+    q ``[T, H, D]``, k/v ``[T, Hkv, D]`` -> ``[T, H, D]`` in ``q.dtype``; ``window``/``softcap`` as
+    :func:`paged_attention_decode`."""
     out = torch.empty_like(q)
     for a, b in itertools.pairwise(cu_seqlens.tolist()):
-        out[a:b] = attend(q[a:b], k[a:b], v[a:b], scale, causal_offset=0)
+        out[a:b] = attend(q[a:b], k[a:b], v[a:b], scale, causal_offset=0, window=window, softcap=softcap)
     return out
 
 
@@ -221,25 +244,26 @@ def fused_add_rms_norm(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (Su et al. 2021, HF Llama convention).
+    """Rotate-half RoPE (Su et al. 2021, HF Llama convention) of the first ``R = 2 * cos.shape[-1]`` dims of each
+    head (R < head_dim: partial rotation, the other dims pass unchanged).
 
     Args:
         x: ``[num_tokens, num_heads, head_dim]``.
-        cos, sin: ``[num_tokens, head_dim // 2]`` (already gathered at the tokens' positions).
+        cos, sin: ``[num_tokens, R // 2]`` (already gathered at the tokens' positions).
     """
-    half = x.shape[-1] // 2
+    half = cos.shape[-1]
     xf = x.to(torch.float32)
-    x1, x2 = xf[..., :half], xf[..., half:]
+    x1, x2, rest = xf[..., :half], xf[..., half:2 * half], xf[..., 2 * half:]
     c = cos.to(torch.float32).unsqueeze(1)
     s = sin.to(torch.float32).unsqueeze(1)
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1).to(x.dtype)
 
 
 def rotary_qk(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`apply_rotary` of q ``[T, Hq, D]`` and k ``[T, Hk, D]`` with ``cos_cache``/``sin_cache``
-    ``[max_position, D // 2]`` gathered at ``positions [T]``."""
+    ``[max_position, R // 2]`` (R <= D rotated dims) gathered at ``positions [T]``."""
     cos, sin = cos_cache[positions], sin_cache[positions]
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
@@ -254,11 +278,12 @@ def rope_store_kvcache(
     kv: PagedKV,
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
-    """A fused qkv projection's output ``[T, (Hq + 2 Hk) D]`` (or its split-K partials): q and k rotated
-    (:func:`rotary_qk`), k and v written at ``slot_mapping`` (:func:`store_kvcache`); returns q ``[T, Hq, D]``."""
+    """A fused qkv projection's output ``[T, (Hq + 2 Hk) D]`` (or its split-K partials; D = ``kv.head_dim``): q
+    and k rotated (:func:`rotary_qk`), k and v written at ``slot_mapping`` (:func:`store_kvcache`); returns q
+    ``[T, Hq, D]``."""
     if isinstance(qkv, SplitKPartials):
         qkv = qkv.reduced()
-    t, d = qkv.shape[0], 2 * cos_cache.shape[1]
+    t, d = qkv.shape[0], kv.head_dim
     q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
     q, k = rotary_qk(positions, q.reshape(t, num_heads, d), k.reshape(t, num_kv_heads, d), cos_cache, sin_cache)
     store_kvcache(k, v.reshape(t, num_kv_heads, d), kv, slot_mapping)
@@ -271,6 +296,16 @@ def silu_and_mul(x: torch.Tensor | SplitKPartials) -> torch.Tensor:
         x = x.reduced()
     half = x.shape[-1] // 2
     return (torch.nn.functional.silu(x[..., :half].float()) * x[..., half:].float()).to(x.dtype)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor | SplitKPartials) -> torch.Tensor:
+    """``x [..., 2 I]`` (or a GEMM's unreduced :class:`SplitKPartials`) -> ``gelu_tanh(x[..., :I]) * x[..., I:]``:
+    GeGLU with the tanh approximation of GELU (Gemma's ``gelu_pytorch_tanh``), in fp32, returned in ``x.dtype``."""
+    if isinstance(x, SplitKPartials):
+        x = x.reduced()
+    half = x.shape[-1] // 2
+    gate = torch.nn.functional.gelu(x[..., :half].float(), approximate="tanh")
+    return (gate * x[..., half:].float()).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------- W8A16

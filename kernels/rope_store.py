@@ -147,6 +147,9 @@ def rope_store_kvcache(
                          f"got {tuple(cos_cache.shape)} / {tuple(sin_cache.shape)}")
     half = cos_cache.shape[1]
     d = 2 * half
+    if kv.head_dim != d:
+        raise ValueError(f"rope_store_kvcache: the tables rotate {d} dims but heads have {kv.head_dim}; partial "
+                         f"rotary takes rotary_qk + store_kvcache (Attention.forward_qkv does)")
     width = (num_heads + 2 * num_kv_heads) * d
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"rope_store_kvcache: num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")

@@ -10,7 +10,7 @@ holds them to the reference). What makes it fast:
   planned once per step and reused by every layer (:func:`_decode_plan`);
 * RMSNorm is torch's fused kernel.
 
-The 4-bit GEMM, RoPE, SiLU and the KV store are the reference's own (already vectorised). Works on any
+The 4-bit GEMM, RoPE, SiLU / GeGLU and the KV store are the reference's own (already vectorised). Works on any
 device, but the engine uses it on CPU only (``lightinfer.layers.ops``).
 """
 
@@ -27,17 +27,19 @@ from .paged_kv import PagedKV
 from .reference import (
     apply_rotary,
     dequantize_kv_int8,
+    gelu_tanh_and_mul,
     quantize_kv_int8,
     rotary_qk,
     silu_and_mul,
     w4a16_gemm,
     w8a16_gemm,
+    window_start,
 )
 from .sdpa import attend, varlen_causal_attention
 from .split_k import SplitKPartials
 
-__all__ = ["apply_rotary", "fused_add_rms_norm", "fused_moe", "gather_blocks", "gather_kv", "paged_attention_decode",
-           "paged_attention_prefill", "rms_norm", "rope_store_kvcache", "rotary_qk", "silu_and_mul",
+__all__ = ["apply_rotary", "fused_add_rms_norm", "fused_moe", "gather_blocks", "gather_kv", "gelu_tanh_and_mul",
+           "paged_attention_decode", "paged_attention_prefill", "rms_norm", "rope_store_kvcache", "rotary_qk", "silu_and_mul",
            "store_kvcache", "varlen_causal_attention", "w4a16_gemm", "w8a16_gemm"]
 
 
@@ -93,11 +95,12 @@ def gather_blocks(kv: PagedKV, blocks: torch.Tensor, num_seqs: int,
 
 
 def gather_kv(kv: PagedKV, block_table: torch.Tensor, length: int,
-              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``length`` tokens of one sequence: K and V ``[length, num_kv_heads, head_dim]`` in ``dtype``."""
-    num_blocks = (length + kv.block_size - 1) // kv.block_size
-    k, v = gather_blocks(kv, block_table[:num_blocks].long(), 1, dtype)
-    return k[0, :length], v[0, :length]
+              dtype: torch.dtype, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``start .. length - 1`` of one sequence (``start`` a multiple of the block size): K and V
+    ``[length - start, num_kv_heads, head_dim]`` in ``dtype``."""
+    first, num_blocks = start // kv.block_size, (length + kv.block_size - 1) // kv.block_size
+    k, v = gather_blocks(kv, block_table[first:num_blocks].long(), 1, dtype)
+    return k[0, : length - start], v[0, : length - start]
 
 
 # ----------------------------------------------------------------------------- attention
@@ -121,28 +124,33 @@ class _DecodeGroup:
     mask: torch.Tensor  # bool [n, 1, 1, num_blocks * block_size], True = attend
 
 
-# Every layer of a step calls the decode with the same block_tables / context_lens tensors;
-# the grouping is computed once per step and reused. The key holds the tensor objects (so
-# their identity cannot be recycled while cached) and their in-place version counters.
-_decode_plan_cache: tuple[torch.Tensor, torch.Tensor, tuple, list[_DecodeGroup]] | None = None
+# Every layer of a step calls the decode with the same block_tables / context_lens tensors (one pair per
+# KV-cache group: a model with sliding-window layers has two); the grouping is computed once per step and
+# group and reused. The key holds the tensor objects (so their identity cannot be recycled while cached)
+# and their in-place version counters.
+_DECODE_PLAN_SLOTS = 4
+_decode_plan_cache: list[tuple[torch.Tensor, torch.Tensor, tuple, list[_DecodeGroup]]] = []
 
 
 def _decode_plan(
-    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int,
+    window: int = 0,
 ) -> list[_DecodeGroup]:
-    global _decode_plan_cache
     # inference-mode tensors (the engine's) keep no version counter; they are made fresh each step
     versions = tuple(-1 if t.is_inference() else t._version for t in (block_tables, context_lens))
-    values = (*versions, block_size, num_kv_heads, head_dim)
-    cached = _decode_plan_cache
-    if cached is not None and cached[0] is block_tables and cached[1] is context_lens and cached[2] == values:
-        return cached[3]
+    values = (*versions, block_size, num_kv_heads, head_dim, window)
+    for cached in _decode_plan_cache:
+        if cached[0] is block_tables and cached[1] is context_lens and cached[2] == values:
+            return cached[3]
     lens = context_lens.long()
+    # With a window, only the blocks holding the last `window` tokens are gathered: from block `first`.
+    first = ((lens - window).clamp(min=0) // block_size) if window > 0 else torch.zeros_like(lens)
+    spans = lens - first * block_size  # tokens gathered per sequence
     # The engine lays decodes out sorted by length, so groups are contiguous slices (views, no
     # index copies); other callers get an argsort.
-    in_order = bool((lens[1:] >= lens[:-1]).all())
-    order = None if in_order else torch.argsort(lens)
-    sorted_lens = (lens if order is None else lens[order]).tolist()
+    in_order = bool((spans[1:] >= spans[:-1]).all())
+    order = None if in_order else torch.argsort(spans)
+    sorted_lens = (spans if order is None else spans[order]).tolist()
     max_tokens = max(1, DECODE_GROUP_BYTES // (num_kv_heads * head_dim * 4))
     bounds, real = [0], sorted_lens[0] if sorted_lens else 0
     for j in range(1, len(sorted_lens)):
@@ -156,23 +164,32 @@ def _decode_plan(
     groups = []
     for start, end in itertools.pairwise(bounds):
         idx = slice(start, end) if order is None else order[start:end]
-        group_lens = lens[idx]
-        num_blocks = (int(group_lens.max()) + block_size - 1) // block_size
-        blocks = block_tables[idx, :num_blocks].long().clamp(min=0).flatten()
-        mask = torch.arange(num_blocks * block_size, device=lens.device) < group_lens.unsqueeze(1)
+        num_blocks = (int(spans[idx].max()) + block_size - 1) // block_size
+        tok = torch.arange(num_blocks * block_size, device=lens.device)
+        if window > 0:
+            cols = (first[idx].unsqueeze(1) + torch.arange(num_blocks, device=lens.device)).clamp(
+                max=block_tables.shape[1] - 1)
+            blocks = block_tables[idx].long().gather(1, cols).clamp(min=0).flatten()
+            pos = first[idx].unsqueeze(1) * block_size + tok  # absolute position of each gathered token
+            mask = (pos < lens[idx].unsqueeze(1)) & (pos >= lens[idx].unsqueeze(1) - window)
+        else:
+            blocks = block_tables[idx, :num_blocks].long().clamp(min=0).flatten()
+            mask = tok < lens[idx].unsqueeze(1)
         groups.append(_DecodeGroup(idx, blocks, num_blocks, mask[:, None, None, :]))
-    _decode_plan_cache = (block_tables, context_lens, values, groups)
+    _decode_plan_cache.insert(0, (block_tables, context_lens, values, groups))
+    del _decode_plan_cache[_DECODE_PLAN_SLOTS:]
     return groups
 
 
 def paged_attention_decode(q: torch.Tensor, kv: PagedKV, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """One new query token per sequence against its whole cached context.
+                           scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """One new query token per sequence against its cached context (its last ``window`` tokens when
+    ``window > 0``; ``softcap > 0``: tanh-capped scores, Gemma 2).
 
-    Sequences are sorted by context length and cut into groups (see :data:`DECODE_PAD_TOKENS`); each
-    group gathers whole blocks, pads to its longest context, masks the padding and runs one
-    ``scaled_dot_product_attention`` (fp32). GQA: the ``H // Hkv`` query heads of a KV head ride as
-    that head's query rows, so K/V are never repeated.
+    Sequences are sorted by gathered length and cut into groups (see :data:`DECODE_PAD_TOKENS`); each
+    group gathers whole blocks (with a window, only those it reaches), pads to its longest context, masks
+    the padding and runs one ``scaled_dot_product_attention`` (fp32; soft-capped scores explicitly). GQA:
+    the ``H // Hkv`` query heads of a KV head ride as that head's query rows, so K/V are never repeated.
 
     Args:
         q: ``[num_seqs, num_heads, head_dim]``.
@@ -180,25 +197,33 @@ def paged_attention_decode(q: torch.Tensor, kv: PagedKV, block_tables: torch.Ten
         block_tables: int32 ``[num_seqs, max_num_blocks]`` (unused entries -1).
         context_lens: int32 ``[num_seqs]`` tokens in the cache, the new one included.
         scale: softmax scale.
+        window: sliding window in tokens, 0 = none. softcap: 0 = none.
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``.
     """
     _, num_heads, head_dim = q.shape
     num_kv_heads = kv.num_kv_heads
     out = torch.empty_like(q)
-    for g in _decode_plan(block_tables, context_lens, kv.block_size, num_kv_heads, head_dim):
+    for g in _decode_plan(block_tables, context_lens, kv.block_size, num_kv_heads, head_dim, window):
         n = g.blocks.numel() // g.num_blocks
         k, v = gather_blocks(kv, g.blocks, n, torch.float32)
         qf = q[g.seqs].to(torch.float32).reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(qf, k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask, scale=scale)
+        kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [n, Hkv, L, D]
+        if softcap > 0:
+            s = torch.tanh(qf @ kt.transpose(-1, -2) * (scale / softcap)) * softcap
+            o = torch.softmax(s.masked_fill(~g.mask, float("-inf")), dim=-1) @ vt
+        else:
+            o = F.scaled_dot_product_attention(qf, kt, vt, attn_mask=g.mask, scale=scale)
         out[g.seqs] = o.reshape(n, num_heads, head_dim).to(q.dtype)
     return out
 
 
 def paged_attention_prefill(q: torch.Tensor, kv: PagedKV, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                            block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+                            block_tables: torch.Tensor, scale: float, window: int = 0,
+                            softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of new tokens over cached prefix blocks plus themselves (already stored): one
-    gather of whole blocks and one SDPA call per sequence.
+    gather of whole blocks (with a window, from the block holding the first visible key) and one SDPA call
+    per sequence.
 
     Args:
         q: ``[num_tokens, num_heads, head_dim]``, sequences concatenated.
@@ -207,6 +232,7 @@ def paged_attention_prefill(q: torch.Tensor, kv: PagedKV, cu_seqlens_q: torch.Te
         context_lens: int32 ``[num_seqs]`` total tokens in the cache per sequence (prefix + new).
         block_tables: int32 ``[num_seqs, max_num_blocks]``.
         scale: softmax scale.
+        window, softcap: as :func:`paged_attention_decode`.
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
     """
@@ -214,8 +240,9 @@ def paged_attention_prefill(q: torch.Tensor, kv: PagedKV, cu_seqlens_q: torch.Te
     bounds = cu_seqlens_q.tolist()
     for i, n in enumerate(context_lens.tolist()):
         a, b = bounds[i], bounds[i + 1]
-        k, v = gather_kv(kv, block_tables[i], n, q.dtype)
-        out[a:b] = attend(q[a:b], k, v, scale, causal_offset=n - (b - a))
+        lo = (window_start(n - (b - a), window) // kv.block_size) * kv.block_size
+        k, v = gather_kv(kv, block_tables[i], n, q.dtype, start=lo)
+        out[a:b] = attend(q[a:b], k, v, scale, causal_offset=n - (b - a) - lo, window=window, softcap=softcap)
     return out
 
 
@@ -249,11 +276,12 @@ def rope_store_kvcache(
     kv: PagedKV,
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
-    """A fused qkv projection's output ``[T, (Hq + 2 Hk) D]`` (or its split-K partials): q and k rotated
-    (:func:`rotary_qk`), k and v written at ``slot_mapping`` (:func:`store_kvcache`); returns q ``[T, Hq, D]``."""
+    """A fused qkv projection's output ``[T, (Hq + 2 Hk) D]`` (or its split-K partials; D = ``kv.head_dim``): q
+    and k rotated (:func:`rotary_qk`), k and v written at ``slot_mapping`` (:func:`store_kvcache`); returns q
+    ``[T, Hq, D]``."""
     if isinstance(qkv, SplitKPartials):
         qkv = qkv.reduced()
-    t, d = qkv.shape[0], 2 * cos_cache.shape[1]
+    t, d = qkv.shape[0], kv.head_dim
     q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
     q, k = rotary_qk(positions, q.reshape(t, num_heads, d), k.reshape(t, num_kv_heads, d), cos_cache, sin_cache)
     store_kvcache(k, v.reshape(t, num_kv_heads, d), kv, slot_mapping)

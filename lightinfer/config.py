@@ -75,14 +75,15 @@ class EngineConfig:
         model: a Hugging Face folder, a ``.gguf`` file or ``smollm2-135m-instruct``.
         dtype: activation / weight dtype: "auto", "float32", "float16", "bfloat16".
         device: "auto", "cpu" or "cuda[:i]".
-        max_model_len: longest sequence (prompt + output) in tokens; None = the model's
-            ``max_position_embeddings`` capped at 8192.
+        max_model_len: longest sequence (prompt + output) in tokens; None = the model's own limit
+            (``max_position_embeddings``, with its RoPE scaling: ``layers/rope_scaling.py``) capped at 8192.
         block_size: tokens per KV block.
         max_num_seqs: most sequences in one step.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
         kv_cache_dtype: "auto" (the model dtype) or "int8" (per-token asymmetric, see DESIGN.md).
         kv_cache_memory_bytes: KV pool size in bytes (overrides the two below).
-        num_kv_blocks: KV pool size in blocks (overrides every size above; tests, benchmarks).
+        num_kv_blocks: KV pool size in blocks, per KV-cache group (a model with sliding-window layers
+            has one pool for them and one for the others; overrides every size above; tests, benchmarks).
         gpu_memory_utilization: share of the GPU's memory the engine may use (weights included).
         max_vram: absolute cap on the engine's GPU memory, e.g. "8GiB".
         enable_prefix_caching: reuse full KV blocks of identical prefixes.

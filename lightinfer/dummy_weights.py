@@ -67,7 +67,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
     for module in model.modules():
         if isinstance(module, RMSNorm):
-            module.weight.fill_(1.0)
+            module.weight.fill_(1.0 - getattr(module, "weight_offset", 0.0))  # a scale of 1 (Gemma's 1 + w too)
         elif isinstance(module, W4A16Linear):
             _fill_w4(module.qweight, module.scales, module.zeros, gen(module.qweight))
             module.integer_zeros = True

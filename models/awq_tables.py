@@ -3,10 +3,12 @@ whose output is that input (where AWQ folds the inverse of its per-channel scale
 reaches a model's table through its class (``CausalLM.awq_table``, ``models/base.py``).
 
 Names are submodule paths inside one decoder layer (Hugging Face names, as in ``llama.py``).
-``prev_op`` is an RMSNorm (its ``weight`` is divided by the scales) or a linear (its output
-rows, and bias, are divided by the scales). A group whose ``prev_op`` is a linear is used
-only where the shapes allow (``prev_op.out_features == in_features`` of the group: not with
-grouped-query attention for ``v_proj -> o_proj``). Source: Lin et al., "AWQ: Activation-aware
+``prev_op`` is an RMSNorm (its ``weight`` is divided by the scales; a norm that multiplies by
+``1 + weight``, Gemma's, has ``(1 + weight)`` divided) or a linear (its output rows, and bias, are
+divided by the scales). A group whose ``prev_op`` is a linear is used only where the shapes allow
+(``prev_op.out_features == in_features`` of the group: not with grouped-query attention for
+``v_proj -> o_proj``), or, with ``fold="tail"``, where the group reads the last ``in_features``
+outputs of a wider ``prev_op`` (Phi-3's ``gate_up_proj``, whose up half multiplies the activation). Source: Lin et al., "AWQ: Activation-aware
 Weight Quantization for LLM Compression and Acceleration", MLSys 2024, section 3.2; the table
 layout follows AutoAWQ's ``get_layers_for_scaling``.
 """
@@ -23,10 +25,13 @@ class ScaleGroup:
     Attributes:
         prev_op: the submodule producing the shared input (scales folded into it).
         linears: the linears reading that input (their weight columns are multiplied by the scales).
+        fold: "all": the input is all of ``prev_op``'s output; "tail": its last ``in_features`` outputs
+            (scaled down there; the input is ``act(head) * tail``, linear in the tail).
     """
 
     prev_op: str
     linears: tuple[str, ...]
+    fold: str = "all"
 
 
 @dataclass(frozen=True)
@@ -103,3 +108,27 @@ QWEN2_MOE_TABLE = AwqTable(groups=_ATTENTION_GROUPS, moe=MoeAwq("mlp", shared="m
                                                                dense=("mlp.gate", "mlp.shared_expert_gate")))
 MIXTRAL_TABLE = AwqTable(groups=_ATTENTION_GROUPS, moe=MoeAwq("block_sparse_moe", ("w1", "w3", "w2"),
                                                              dense=("block_sparse_moe.gate",)))
+
+# Gemma 2 and 3: Llama's sharing, with the MLP's input norm called pre_feedforward_layernorm (AutoAWQ's
+# gemma2 table). The norms scale by 1 + weight (the fold knows: OffsetRMSNorm.weight_offset); Gemma 3's
+# q/k norms act per head after q_proj/k_proj.
+GEMMA_TABLE = AwqTable(
+    groups=(
+        ScaleGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ScaleGroup("self_attn.v_proj", ("self_attn.o_proj",)),
+        ScaleGroup("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+        ScaleGroup("mlp.up_proj", ("mlp.down_proj",)),
+    )
+)
+
+# Phi-3: q/k/v and gate/up are single linears on disk. As AutoAWQ's phi3 table, no qkv_proj -> o_proj group
+# (the v rows are qkv_proj's last ones only without grouped-query attention); gate_up_proj's up half feeds
+# down_proj. qkv_proj holds q and k, so its clipping range is not searched.
+PHI3_TABLE = AwqTable(
+    groups=(
+        ScaleGroup("input_layernorm", ("self_attn.qkv_proj",)),
+        ScaleGroup("post_attention_layernorm", ("mlp.gate_up_proj",)),
+        ScaleGroup("mlp.gate_up_proj", ("mlp.down_proj",), fold="tail"),
+    ),
+    no_clip=("self_attn.qkv_proj",),
+)

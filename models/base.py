@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from lightinfer.layers.embed_head import VocabEmbedding
+from lightinfer.layers.rotary import RotaryEmbedding
 from lightinfer.models.awq_tables import AwqTable
 
 
@@ -104,6 +105,20 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
         keyed by a name for error messages. Default: each linear's ``in_features`` by path;
         architectures may name them by config field instead."""
         return {f"{name}.in_features": k for name, (_, k) in cls.decoder_linear_shapes(hf_config).items()}
+
+    @classmethod
+    def input_embedding_scale(cls, hf_config: object) -> float:
+        """The factor the token embeddings are multiplied by before the first decoder layer (Gemma:
+        ``sqrt(hidden_size)``; 1 elsewhere). The quantizer's calibration applies it too."""
+        return 1.0
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """Fit the model to an engine whose sequences reach ``max_model_len`` tokens: every rotary table is
+        cut to that many positions and the RoPE scalings that depend on the length (LongRoPE, dynamic NTK)
+        are fixed for it (``layers/rope_scaling.py``). The model runner calls it once, before any forward."""
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.set_max_model_len(max_model_len)
 
     def pack_for_cpu(self) -> None:
         """Prepack every fp32 CPU weight for the oneDNN GEMM (``layers/cpu_gemm.py``), in place;

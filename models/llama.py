@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2, Llama 3 incl. llama3 rope scaling, Mistral, SmolLM2).
+"""Llama-family decoder (Llama 2, Llama 3 incl. llama3 rope scaling, Mistral incl. sliding windows, SmolLM2).
 
 Parameter names follow Hugging Face so checkpoints load by name. Qwen2 (q/k/v bias) and Qwen3
 (q/k RMSNorm) reuse these classes with flags, see ``qwen2.py`` and ``qwen3.py``. Each module's
@@ -13,13 +13,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from lightinfer.layers.activation import SiluAndMul
-from lightinfer.layers.attention import Attention
+from lightinfer.layers.activation import gated_activation
+from lightinfer.layers.attention import Attention, sliding_window_of
 from lightinfer.layers.embed_head import LMHead, VocabEmbedding
 from lightinfer.layers.fusion import RESIDUAL, Feeds, Fuse, FusionPlan, materialize
 from lightinfer.layers.linear import make_linear
 from lightinfer.layers.norm import RMSNorm
-from lightinfer.layers.rotary import RotaryEmbedding, rope_parameters
+from lightinfer.layers.rotary import RotaryEmbedding, rope_spec
 from lightinfer.models.awq_tables import LLAMA_TABLE, AwqTable
 from lightinfer.models.base import CausalLM
 
@@ -30,10 +30,10 @@ def head_dim_of(hf_config: object) -> int:
     return int(head_dim) if head_dim else hf_config.hidden_size // hf_config.num_attention_heads
 
 
-def rotary_embedding_of(hf_config: object) -> RotaryEmbedding:
-    """The model's rotary table (fp32 cos/sin ``[max_position_embeddings, head_dim // 2]``)."""
-    theta, scaling = rope_parameters(hf_config)
-    return RotaryEmbedding(head_dim_of(hf_config), hf_config.max_position_embeddings, theta, scaling)
+def rotary_embedding_of(hf_config: object, layer_type: str | None = None) -> RotaryEmbedding:
+    """The rotary table of the config's ``layer_type`` layers (fp32 cos/sin ``[max_position, rotary_dim // 2]``,
+    any RoPE scaling folded in: ``layers/rope_scaling.py``)."""
+    return RotaryEmbedding(rope_spec(hf_config, layer_type))
 
 
 class LlamaAttention(nn.Module):
@@ -45,8 +45,11 @@ class LlamaAttention(nn.Module):
 
     def __init__(
         self, hf_config: object, layer_idx: int, quant_config: dict | None, dtype: torch.dtype,
-        qkv_bias: bool, qk_norm: bool, rotary_emb: RotaryEmbedding | None = None,
+        qkv_bias: bool, qk_norm: bool, rotary_emb: RotaryEmbedding | None = None, scale: float | None = None,
+        softcap: float | None = None, norm_cls: type[RMSNorm] = RMSNorm,
     ) -> None:
+        """``scale``: softmax scale (default ``head_dim ** -0.5``); ``softcap``: attention logit soft-capping;
+        ``norm_cls``: the q/k norms' class (Gemma 3's scale by ``1 + weight``)."""
         super().__init__()
         c = hf_config
         self.num_heads, self.num_kv_heads = c.num_attention_heads, c.num_key_value_heads
@@ -58,10 +61,11 @@ class LlamaAttention(nn.Module):
         self.v_proj = make_linear(c.hidden_size, kv_out, qkv_bias, dtype, quant_config, f"{p}.v_proj")
         o_bias = bool(getattr(c, "attention_bias", False))  # Qwen2's config has no such field: False
         self.o_proj = make_linear(q_out, c.hidden_size, o_bias, dtype, quant_config, f"{p}.o_proj")
-        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype) if qk_norm else None
+        self.q_norm = norm_cls(self.head_dim, c.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = norm_cls(self.head_dim, c.rms_norm_eps, dtype) if qk_norm else None
         self.rotary_emb = rotary_emb if rotary_emb is not None else rotary_embedding_of(c)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5 if scale is None else scale,
+                              self.num_kv_heads, sliding_window=sliding_window_of(c, layer_idx), softcap=softcap)
         self.qkv_proj: nn.Module | None = None  # set by the fusion pass
         # With q/k norms the fused output is split and normed first: it does not go into attn as it is.
         self.fusion_plan = FusionPlan(fuse=(Fuse("qkv_proj", ("q_proj", "k_proj", "v_proj")),),
@@ -86,7 +90,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))``; after the fusion pass ``gate_up_proj`` replaces gate/up."""
+    """``down(act(gate(x)) * up(x))`` (SiLU, or Gemma's tanh GELU); after the fusion pass ``gate_up_proj``
+    replaces gate/up."""
 
     fusion_plan = FusionPlan(fuse=(Fuse("gate_up_proj", ("gate_proj", "up_proj")),),
                              feeds=(Feeds("gate_up_proj", "act_fn"),))
@@ -102,7 +107,9 @@ class LlamaMLP(nn.Module):
         self.gate_proj = make_linear(h, i, bias, dtype, quant_config, f"{p}.gate_proj")
         self.up_proj = make_linear(h, i, bias, dtype, quant_config, f"{p}.up_proj")
         self.down_proj = make_linear(i, h, bias, dtype, quant_config, f"{p}.down_proj")
-        self.act_fn = SiluAndMul()
+        # Gemma's configs name it hidden_activation, the others hidden_act
+        act = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", None) or "silu"
+        self.act_fn = gated_activation(act)
         self.gate_up_proj: nn.Module | None = None  # set by the fusion pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,8 +136,6 @@ class LlamaDecoderLayer(nn.Module):
         rotary_emb: RotaryEmbedding | None = None,
     ) -> None:
         super().__init__()
-        if getattr(hf_config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (only silu)")
         self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 from lightinfer.models.base import CausalLM
+from lightinfer.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from lightinfer.models.llama import LlamaForCausalLM
 from lightinfer.models.mixtral import MixtralForCausalLM
+from lightinfer.models.phi3 import Phi3ForCausalLM
 from lightinfer.models.qwen2 import Qwen2ForCausalLM
 from lightinfer.models.qwen2_moe import Qwen2MoeForCausalLM
 from lightinfer.models.qwen3 import Qwen3ForCausalLM
@@ -16,13 +18,17 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 # GGUF files carry no `architectures`; their model_type says it.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                  "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 

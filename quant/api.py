@@ -167,6 +167,7 @@ def quantize(
         seq_len = ids.shape[1]
         calib_tokens = ids.numel()
         embed = ckpt.get_tensor("model.embed_tokens.weight").to(device, torch.float32)
+        embed *= model_cls.input_embedding_scale(hf)  # Gemma scales its embeddings by sqrt(hidden)
         per_chunk = max(1, min(ids.shape[0], 4096 // seq_len))
         hidden = [F.embedding(c.reshape(-1).to(device), embed) for c in ids.split(per_chunk)]
         del embed

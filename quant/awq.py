@@ -257,19 +257,23 @@ def quantize_layer(
     for group in table.groups:
         prev = layer.get_submodule(group.prev_op)
         lins = [layer.get_submodule(n) for n in group.linears]
-        if hasattr(prev, "out_features") and prev.out_features != lins[0].in_features:
+        k = lins[0].in_features
+        if hasattr(prev, "out_features") and not (prev.out_features == k or (group.fold == "tail" and
+                                                                            prev.out_features > k)):
             continue  # e.g. v_proj -> o_proj under grouped-query attention: the shapes do not allow it
         st = stats[group.linears[0]]
         s, alpha, rtn_loss, loss = search_scales([m.weight.float() for m in lins], st, group_size, n_grid)
         info[f"{group.linears[0]}.alpha"] = alpha
         info[f"{group.linears[0]}.loss_ratio"] = loss / rtn_loss if rtn_loss > 0 else 1.0
-        # fold: previous op's output / s, consumers' input columns * s
+        # fold: previous op's output / s (all of it, or its last k outputs), consumers' input columns * s
         if hasattr(prev, "out_features"):
-            prev.weight.div_(s.unsqueeze(1).to(prev.weight.dtype))
+            rows = slice(prev.out_features - k, None)
+            prev.weight[rows].div_(s.unsqueeze(1).to(prev.weight.dtype))
             if getattr(prev, "bias", None) is not None:
-                prev.bias.div_(s.to(prev.bias.dtype))
-        else:
-            prev.weight.div_(s.to(prev.weight.dtype))
+                prev.bias[rows].div_(s.to(prev.bias.dtype))
+        else:  # a norm scaling by (weight + offset): Gemma's 1 + weight divides as a whole
+            offset = getattr(prev, "weight_offset", 0.0)
+            prev.weight.add_(offset).div_(s.to(prev.weight.dtype)).sub_(offset)
         for m in lins:
             m.weight.mul_(s.unsqueeze(0).to(m.weight.dtype))
         st.rescale(s)

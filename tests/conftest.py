@@ -40,6 +40,8 @@ def write_tiny_checkpoint(
     base.update(overrides)
     cfg_cls = {"LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig,
                "Qwen2ForCausalLM": transformers.Qwen2Config, "Qwen3ForCausalLM": transformers.Qwen3Config,
+               "Gemma2ForCausalLM": transformers.Gemma2Config, "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
+               "Phi3ForCausalLM": transformers.Phi3Config,
                "MixtralForCausalLM": transformers.MixtralConfig, "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
                "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig}[arch]
     cfg = cfg_cls(**base)

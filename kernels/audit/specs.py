@@ -97,6 +97,18 @@ def w4a16_specs(dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> list[Laun
     return specs
 
 
+def _attention_variants(head_dim: int, split: bool) -> list[tuple[bool, bool, bool]]:
+    """``(SPLIT, SOFTCAP, WINDOW)`` variants to compile at ``head_dim``: plain (split and not); sliding windows at
+    the head sizes of the models that have them (128: Mistral, Qwen2, Phi-3; 256: Gemma), and soft-capping at
+    Gemma 2's 256, with and without a window (its global and local layers)."""
+    variants = [(False, False, False), *([(True, False, False)] if split else [])]
+    if head_dim in (128, 256):
+        variants.append((split, False, True))
+    if head_dim == 256:
+        variants += [(split, True, False), (split, True, True)]
+    return variants
+
+
 def attention_specs() -> list[LaunchSpec]:
     """Paged attention: fp16 queries, fp16 and int8 caches, head sizes, GQA groups; the engine's KV block sizes
     for int8 caches (their page gather's tile depends on it), 16 for fp16."""
@@ -111,30 +123,35 @@ def attention_specs() -> list[LaunchSpec]:
             for d in ATTN_HEAD_DIMS:
                 dc = pa.attn_config(pa.DECODE_CONFIGS, d)
                 for group in ATTN_GQA_GROUPS:
-                    for split in (False, True):
+                    for split, softcap, window in _attention_variants(d, split=True):
                         ce = {"GROUP": group, "BLOCK_G": max(16, next_pow2(group)), "BLOCK_N": dc.block_n,
                               "BLOCK_D": d, "QUANT": quant, "SPLIT": split, "UPCAST_DOT": False,
-                              "BLOCK_SIZE": block_size}
+                              "BLOCK_SIZE": block_size, "SOFTCAP": softcap, "WINDOW": window}
                         sig = {"q_ptr": "*fp16", **ptrs, "bt_ptr": "*i32", "ctx_ptr": "*i32", "out_ptr": "*fp16",
                                "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qk_scale": "fp32",
+                               "cap_log2e": "fp32", "window": "i32",
                                **dict.fromkeys(["head_dim", "partition_size", "max_splits", "stride_qs", "stride_qh",
                                                 "stride_os", "stride_oh", "stride_bts", *cache_ints], "i32")}
                         specs.append(_spec(f"attn_decode[{cache_dt}]", pa.paged_decode_kernel, sig, ce, dc.num_warps,
                                            dc.num_stages))
-                pc = pa.attn_config(pa.PREFILL_INT8_CONFIGS if quant else pa.PREFILL_CONFIGS, d)
-                ce = {"GROUP": 4, "BLOCK_M": pa.PREFILL_BLOCK_M, "BLOCK_N": pc.block_n, "BLOCK_D": d, "QUANT": quant,
-                      "UPCAST_DOT": False, "BLOCK_SIZE": block_size}
-                sig = {"q_ptr": "*fp16", **ptrs, "cu_ptr": "*i32", "ctx_ptr": "*i32", "bt_ptr": "*i32",
-                       "out_ptr": "*fp16", "qk_scale": "fp32",
-                       **dict.fromkeys(["head_dim", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
-                                        "stride_bts", *cache_ints], "i32")}
-                specs.append(_spec(f"attn_prefill[{cache_dt}]", pa.paged_prefill_kernel, sig, ce, pc.num_warps,
-                                   pc.num_stages))
+                for _, softcap, window in _attention_variants(d, split=False):
+                    pc = pa.prefill_config(d, quant, window)
+                    ce = {"GROUP": 4, "BLOCK_M": pa.PREFILL_BLOCK_M, "BLOCK_N": pc.block_n, "BLOCK_D": d,
+                          "QUANT": quant, "UPCAST_DOT": False, "BLOCK_SIZE": block_size, "SOFTCAP": softcap,
+                          "WINDOW": window}
+                    sig = {"q_ptr": "*fp16", **ptrs, "cu_ptr": "*i32", "ctx_ptr": "*i32", "bt_ptr": "*i32",
+                           "out_ptr": "*fp16", "qk_scale": "fp32", "cap_log2e": "fp32", "window": "i32",
+                           **dict.fromkeys(["head_dim", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
+                                            "stride_bts", *cache_ints], "i32")}
+                    specs.append(_spec(f"attn_prefill[{cache_dt}]", pa.paged_prefill_kernel, sig, ce, pc.num_warps,
+                                       pc.num_stages))
     for d in ATTN_HEAD_DIMS:
         for bs in (2, 16, pa.MAX_DECODE_SPLITS):
-            ce = {"BLOCK_S": bs, "BLOCK_D": d, "TILE": pa.attn_config(pa.DECODE_CONFIGS, d).block_n}
+            ce = {"BLOCK_S": bs, "BLOCK_D": d, "TILE": pa.attn_config(pa.DECODE_CONFIGS, d).block_n,
+                  "WINDOW": bs == 16}
             sig = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "ctx_ptr": "*i32", "out_ptr": "*fp16",
-                   **dict.fromkeys(["head_dim", "partition_size", "max_splits", "stride_os", "stride_oh"], "i32")}
+                   **dict.fromkeys(["window", "head_dim", "partition_size", "max_splits", "stride_os", "stride_oh"],
+                                   "i32")}
             specs.append(_spec("attn_decode_reduce", pa.paged_decode_reduce_kernel, sig, ce, pa.REDUCE_NUM_WARPS))
     return specs
 
@@ -177,11 +194,12 @@ def norm_rope_specs() -> list[LaunchSpec]:
                **dict.fromkeys(["num_q_heads", "num_k_heads", "half", "stride_qt", "stride_qh", "stride_kt", "stride_kh",
                                 "stride_qot", "stride_qoh", "stride_kot", "stride_koh", "stride_cp", "stride_sp"], "i32")}
         specs.append(_spec("rotary_qk", nr.rotary_qk_kernel, sig, ce, nr.num_warps_for(ce["BLOCK_HQ"] * ce["BLOCK_HALF"])))
-    for splits in (False, True):
-        ce = {"BLOCK": nr.SILU_BLOCK, "SPLITS": splits, "SPLIT_BIAS": splits}
-        sig = {"x_ptr": "*fp32" if splits else "*fp16", "out_ptr": "*fp16", "inter": "i32", "stride_x": "i32",
-               "stride_o": "i32", "xb_ptr": "*fp16", "stride_split": "i32", "num_splits": "i32"}
-        specs.append(_spec("silu_and_mul", nr.silu_and_mul_kernel, sig, ce, 4))
+    for act, name in ((nr.ACT_SILU, "silu_and_mul"), (nr.ACT_GELU_TANH, "gelu_tanh_and_mul")):
+        for splits in (False, True):
+            ce = {"BLOCK": nr.SILU_BLOCK, "SPLITS": splits, "SPLIT_BIAS": splits, "ACT": act}
+            sig = {"x_ptr": "*fp32" if splits else "*fp16", "out_ptr": "*fp16", "inter": "i32", "stride_x": "i32",
+                   "stride_o": "i32", "xb_ptr": "*fp16", "stride_split": "i32", "num_splits": "i32"}
+            specs.append(_spec(name, nr.silu_and_mul_kernel, sig, ce, 4))
     return specs
 
 

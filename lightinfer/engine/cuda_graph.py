@@ -12,6 +12,9 @@ to the next captured size::
                      context_len 1, block table all 0 (attends to slot 0 of block 0:
                      finite values, the row's output is discarded)
 
+A model with several KV-cache groups (sliding-window layers, ``block_manager.py``) has a slot mapping and
+a block table buffer per group.
+
 Only the model forward ``model(input_ids, positions) -> hidden`` is captured; the LM head and
 the sampler run eagerly on the real rows. Without ``use_cuda_graphs`` the same static-buffer
 path runs the model eagerly (CPU tests of the padding, filling and slicing logic).
@@ -26,7 +29,7 @@ import torch
 from torch import nn
 
 from lightinfer.engine.step_inputs import StepInputs, block_table_tensor
-from lightinfer.layers.attention import AttentionMetadata, set_context
+from lightinfer.layers.attention import AttentionMetadata, KVGroupTables, set_context
 from lightinfer.layers.embed_head import VocabEmbedding
 
 logger = logging.getLogger("lightinfer")
@@ -73,10 +76,12 @@ class DecodeGraphRunner:
         host_embedding: the model's input embedding when its table is in host memory: the
             rows are gathered on the host into a static ``inputs_embeds`` buffer before each
             replay, and the graph starts after the embedding (a host gather cannot be captured).
+        num_kv_groups: KV-cache groups (one slot mapping and block table buffer each).
 
     Static buffers (``max_bs`` = the largest captured size): ``input_ids``, ``positions``,
     ``slot_mapping`` int64 ``[max_bs]``, ``context_lens`` int32 ``[max_bs]``, ``block_tables``
-    int32 ``[max_bs, max_blocks_per_seq]``, ``hidden`` ``[max_bs, hidden_size]`` in ``dtype``.
+    int32 ``[max_bs, max_blocks_per_seq]``, ``hidden`` ``[max_bs, hidden_size]`` in ``dtype``
+    (``slot_mappings[g]`` / ``group_block_tables[g]`` per KV-cache group; group 0's are the two above).
 
     Raises:
         ValueError: ``use_cuda_graphs`` on a non-CUDA device.
@@ -85,7 +90,7 @@ class DecodeGraphRunner:
     def __init__(
         self, model: nn.Module, max_batch_size: int, max_blocks_per_seq: int, hidden_size: int,
         dtype: torch.dtype, device: torch.device, use_cuda_graphs: bool,
-        host_embedding: VocabEmbedding | None = None,
+        host_embedding: VocabEmbedding | None = None, num_kv_groups: int = 1,
     ) -> None:
         if use_cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
@@ -98,16 +103,20 @@ class DecodeGraphRunner:
         # The static inputs are views of two flat buffers, each filled on the host (pinned memory on
         # CUDA) and uploaded by one asynchronous copy per step, where one synchronous pageable copy per
         # tensor each waited for the stream (5 per step).
-        #   i64: [input_ids | positions | slot_mapping], max_bs each
-        #   i32: [context_lens (max_bs) | block_tables (max_bs x max_blocks_per_seq, row-major)]
+        #   i64: [input_ids | positions | slot_mapping of each group], max_bs each
+        #   i32: [context_lens (max_bs) | block_tables of each group (max_bs x max_blocks_per_seq, row-major)]
         pin = device.type == "cuda"
-        self._host_i64 = torch.zeros(3 * max_bs, dtype=torch.long, pin_memory=pin)
-        self._host_i32 = torch.zeros(max_bs * (1 + max_blocks_per_seq), dtype=torch.int32, pin_memory=pin)
+        self.num_kv_groups = num_kv_groups
+        g = num_kv_groups
+        self._host_i64 = torch.zeros((2 + g) * max_bs, dtype=torch.long, pin_memory=pin)
+        self._host_i32 = torch.zeros(max_bs * (1 + g * max_blocks_per_seq), dtype=torch.int32, pin_memory=pin)
         self._i64 = torch.zeros_like(self._host_i64, device=device)
         self._i32 = torch.zeros_like(self._host_i32, device=device)
-        self.input_ids, self.positions, self.slot_mapping = self._i64.view(3, max_bs).unbind(0)
+        self.input_ids, self.positions, *self.slot_mappings = self._i64.view(2 + g, max_bs).unbind(0)
+        self.slot_mapping = self.slot_mappings[0]
         self.context_lens = self._i32[:max_bs]
-        self.block_tables = self._i32[max_bs:].view(max_bs, max_blocks_per_seq)
+        self.group_block_tables = list(self._i32[max_bs:].view(g, max_bs, max_blocks_per_seq).unbind(0))
+        self.block_tables = self.group_block_tables[0]
         self._uploaded: torch.cuda.Event | None = None  # the last upload, on CUDA (its host buffers are busy)
         self._pad_all_rows()
         self.hidden = torch.zeros((max_bs, hidden_size), dtype=dtype, device=device)
@@ -135,9 +144,9 @@ class DecodeGraphRunner:
     # ------------------------------------------------------------------ buffers
     def _pad_all_rows(self) -> None:
         """Every static row a padding row (module docstring), on the host and on the device."""
-        h64 = self._host_i64.view(3, self.max_batch_size)
+        h64 = self._host_i64.view(2 + self.num_kv_groups, self.max_batch_size)
         h64[:2].zero_()
-        h64[2].fill_(-1)
+        h64[2:].fill_(-1)
         self._host_i32.zero_()
         self._host_i32[:self.max_batch_size].fill_(1)
         self._i64.copy_(self._host_i64)
@@ -163,17 +172,25 @@ class DecodeGraphRunner:
         if self._uploaded is not None:
             self._uploaded.synchronize()  # normally long done: the last step's tokens were read back
         ids = step.input_ids + [0] * pad
-        h64 = self._host_i64.view(3, max_bs)
-        h64[:, :bs] = torch.tensor([ids, step.positions + [0] * pad, step.slot_mapping + [-1] * pad],
+        g = self.num_kv_groups
+        slots = [step.slot_mapping, *(o.slot_mapping for o in step.other_groups)]
+        tables = [step.block_tables, *(o.block_tables for o in step.other_groups)]
+        if len(slots) != g:
+            raise ValueError(f"a step with {len(slots)} KV-cache groups for a runner built for {g}")
+        h64 = self._host_i64.view(2 + g, max_bs)
+        h64[:, :bs] = torch.tensor([ids, step.positions + [0] * pad, *(s + [-1] * pad for s in slots)],
                                    dtype=torch.long)
         h32 = self._host_i32
         h32[:bs] = torch.tensor(step.context_lens + [1] * pad, dtype=torch.int32)
         # Only the step's widest table is written: a row's entries past its context are never read
         # (the kernels bound every read by context_lens), so stale ones may stay there.
         width = step.max_num_blocks
-        h32[max_bs:].view(max_bs, table_width)[:bs, :width] = block_table_tensor(step.block_tables, bs, width, fill=0)
+        group_tables = h32[max_bs:].view(g, max_bs, table_width)
+        for i, t in enumerate(tables):
+            group_tables[i, :bs, :width] = block_table_tensor(t, bs, width, fill=0)
         self._i64.copy_(self._host_i64, non_blocking=True)
-        used = max_bs + bs * table_width  # context_lens and the first bs table rows: one contiguous range
+        # context_lens and every group's tables (the first bs rows of the last one end the range)
+        used = max_bs + (g - 1) * max_bs * table_width + bs * table_width
         self._i32[:used].copy_(self._host_i32[:used], non_blocking=True)
         if self.device.type == "cuda":
             self._uploaded = torch.cuda.Event()
@@ -188,6 +205,8 @@ class DecodeGraphRunner:
         set_context(AttentionMetadata(
             num_decodes=bs, slot_mapping=self.slot_mapping[:bs], context_lens=self.context_lens[:bs],
             block_tables=self.block_tables[:bs], cu_seqlens_q=None,
+            other_groups=tuple(KVGroupTables(s[:bs], t[:bs], bs)
+                               for s, t in zip(self.slot_mappings[1:], self.group_block_tables[1:])),
         ))
         try:
             if self.inputs_embeds is not None:

@@ -22,6 +22,7 @@ from lightinfer.engine.step_inputs import select_rows
 from lightinfer.engine.structured_outputs import StructuredOutputManager
 from lightinfer.formats.scheme import describe_formats
 from lightinfer.inputs import EngineRequest, InputProcessor, PromptType
+from lightinfer.layers.rope_scaling import rope_max_positions
 from lightinfer.layers.sampler import INVALID_TOKEN, Sampler, SamplingRow, has_penalties
 from lightinfer.loader import Checkpoint
 from lightinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -114,15 +115,14 @@ class LLMEngine:
         no_tokenizer = config.skip_tokenizer_init or (dummy and not self.checkpoint.has_tokenizer)
         self.tokenizer = None if no_tokenizer else self.checkpoint.load_tokenizer()
         self.eos_token_ids = self.checkpoint.eos_token_ids(self.tokenizer)
-        model_max = int(getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
-        window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
-        if window:  # sliding-window attention is not implemented: stay inside the window, where it is exact
-            model_max = min(model_max, int(window))
+        # The config's own limit: max_position_embeddings, extended by its RoPE scaling where that is how the
+        # config says it (linear / dynamic / yarn; layers/rope_scaling.py). An unknown RoPE type fails here.
+        model_max = rope_max_positions(hf_config)
         if config.max_model_len is None:
             config.max_model_len = min(model_max, DEFAULT_MAX_MODEL_LEN)
         elif config.max_model_len > model_max:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds what this model supports ({model_max}: "
-                             f"max_position_embeddings, or the sliding window); use at most {model_max}")
+                             f"max_position_embeddings, with its RoPE scaling); use at most {model_max}")
         self.vocab_size = int(hf_config.vocab_size)
         # constrained decoding: the grammar backend is built at the first constrained request
         self.structured = StructuredOutputManager(self.tokenizer, self.eos_token_ids,
@@ -130,8 +130,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, int(config.max_model_len),
                                               grammar_backend=self.structured.get_backend)
         self.model_runner = ModelRunner(config, self.checkpoint)
-        self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.model_runner.group_num_blocks, config.block_size,
+                                          config.enable_prefix_caching, self.model_runner.kv_windows)
         self.scheduler = Scheduler(config, self.block_manager, self.eos_token_ids)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
@@ -379,9 +379,12 @@ class LLMEngine:
             "weights": describe_formats(self.model_runner.weight_formats),
             "kv_cache_dtype": "int8" if spec.is_int8 else str(spec.dtype).replace("torch.", ""),
             "weight_bytes": self.model_runner.weight_bytes,
-            "num_kv_blocks": self.block_manager.num_blocks,
+            "num_kv_blocks": self.model_runner.num_blocks,
             "block_size": spec.block_size,
-            "kv_pool_tokens": self.block_manager.num_blocks * spec.block_size,
+            "kv_pool_tokens": self.model_runner.num_blocks * spec.block_size,
+            # per KV-cache group (sliding-window layers keep their own pool): window (None: full), layers, blocks
+            "kv_groups": [{"window": g.window, "num_layers": len(g.layers), "num_blocks": n}
+                          for g, n in zip(self.model_runner.kv_groups, self.model_runner.group_num_blocks)],
             "max_model_len": int(self.config.max_model_len),
             "dtype": str(self.config.torch_dtype).replace("torch.", ""),
             "device": str(self.config.torch_device),
@@ -411,14 +414,17 @@ class LLMEngine:
         caching = self.block_manager.enable_prefix_caching
         self.block_manager.enable_prefix_caching = False  # every position must be computed
         try:
-            if not self.block_manager.allocate_slots(seq, len(token_ids)):
-                raise RuntimeError(f"prompt_logits() found no KV blocks for {len(token_ids)} tokens in an idle engine")
             pieces = []
             chunk = self.config.max_num_batched_tokens
             for start in range(0, len(token_ids), chunk):
                 n = min(chunk, len(token_ids) - start)
+                # chunk by chunk, as the scheduler would: sliding-window groups free what their windows passed
+                if not self.block_manager.allocate_slots(seq, len(token_ids) - start, num_step_tokens=n):
+                    raise RuntimeError(f"prompt_logits() found no KV blocks for {len(token_ids)} tokens in an idle "
+                                       f"engine")
                 step = SchedulerOutput([ScheduledSequence(seq, start, n)])
                 pieces.append(self.model_runner.run(step, all_logits=True).float().cpu())
+                seq.num_computed_tokens = start + n
             return torch.cat(pieces)
         finally:
             self.block_manager.free(seq)

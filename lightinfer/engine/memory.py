@@ -5,10 +5,14 @@ without a GPU::
 
     budget = min(total * gpu_memory_utilization, max_vram)
            = weights + activation peak + CUDA graphs reserve + non-torch memory + KV pool
+
+    KV pool = one pool per KV-cache group (full-attention layers; each sliding window's layers),
+              split in proportion to what one max_model_len sequence needs in each (split_kv_pool)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -109,6 +113,48 @@ def plan_kv_pool(
         f"{block_size}), {tokens // max(max_model_len, 1)} full sequences of max_model_len={max_model_len}"
     )
     return int(num_blocks), "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class KVGroupNeed:
+    """What one KV-cache group needs, for :func:`split_kv_pool`.
+
+    Attributes:
+        name: for the report (``"full attention, 13 layers"``).
+        bytes_per_block: KV bytes of one block over the group's layers.
+        blocks_per_sequence: blocks one ``max_model_len`` sequence holds at most in the group (a sliding
+            window's group: its window plus one step's chunk, ``block_manager.py``).
+    """
+
+    name: str
+    bytes_per_block: int
+    blocks_per_sequence: int
+
+
+def sliding_window_blocks(window: int, chunk_tokens: int, block_size: int) -> int:
+    """Most blocks one sequence holds in a sliding-window group: the window of the first token of a step plus
+    that step's ``chunk_tokens`` (``block_manager.py``)."""
+    return (window + chunk_tokens - 2) // block_size + 2
+
+
+def split_kv_pool(kv_bytes: int, groups: list[KVGroupNeed]) -> list[int]:
+    """Blocks per group out of ``kv_bytes``: in proportion to one ``max_model_len`` sequence's need in each, so
+    that the pools hold the same number of such sequences (with one group: ``kv_bytes // bytes_per_block``).
+
+    Sequences shorter than a window take as many blocks in its group as in a full one; a pool sized for long
+    sequences then fills first with short ones: the price of a static split (block ids of one pool name
+    memory of its own layers only, so the pools cannot lend each other blocks)."""
+    if len(groups) == 1:
+        return [max(0, kv_bytes // groups[0].bytes_per_block)]
+    per_seq = sum(g.bytes_per_block * g.blocks_per_sequence for g in groups)
+    return [max(0, kv_bytes * g.blocks_per_sequence // per_seq) for g in groups]
+
+
+def describe_kv_groups(groups: list[KVGroupNeed], num_blocks: list[int], block_size: int) -> str:
+    """One report line per KV-cache group: its blocks, tokens and bytes."""
+    return "\n".join(f"  KV group {i} ({g.name}): {n} blocks = {n * block_size} tokens, "
+                     f"{_gib(n * g.bytes_per_block)}; a max_model_len sequence holds at most {g.blocks_per_sequence}"
+                     for i, (g, n) in enumerate(zip(groups, num_blocks)))
 
 
 def available_host_bytes() -> int | None:

@@ -10,19 +10,22 @@ from lightinfer.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from lightinfer.dummy_weights import init_dummy_weights
 from lightinfer.engine.cpu_malloc import tune_malloc_for_cpu_inference
 from lightinfer.engine.cuda_graph import CudaGraphCaptureError, DecodeGraphRunner, graph_batch_sizes
+from lightinfer.engine.kv_groups import KVGroup, kv_groups_of
 from lightinfer.engine.memory import (
     available_host_bytes,
     check_host_memory,
     check_weights_fit,
+    describe_kv_groups,
     graph_reserve_bytes,
     module_bytes,
     plan_kv_pool,
+    split_kv_pool,
 )
 from lightinfer.engine.moe_placement import host_expert_layers, moe_startup_report, prepare_host_experts
 from lightinfer.engine.scheduler import SchedulerOutput
 from lightinfer.engine.step_inputs import StepInputs, block_table_tensor, build_step_inputs, select_rows
 from lightinfer.kernels import KVCacheSpec, decode_workspace_bytes
-from lightinfer.layers.attention import Attention, AttentionMetadata, set_context
+from lightinfer.layers.attention import Attention, AttentionMetadata, KVGroupTables, set_context
 from lightinfer.layers.embed_head import VocabEmbedding
 from lightinfer.layers.fusion import fuse_model
 from lightinfer.layers.linear import W4A16Linear, W8A16Linear
@@ -72,6 +75,7 @@ class ModelRunner:
         else:
             self.weight_formats = load_weights(self.model, checkpoint)
         fuse_model(self.model)  # q/k/v and gate/up as single GEMMs; split-K sums left to the op that follows
+        self.model.set_max_model_len(int(config.max_model_len))  # rotary tables cut to it, LongRoPE fixed for it
         self.model.eval()
         # The input embedding when it lives in host memory on a GPU engine (rows gathered there).
         self.host_embedding: VocabEmbedding | None = None
@@ -81,10 +85,13 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         first = self.attention_layers[0]
         kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.int8
+        # All layers' cache (what a token costs); per KV-cache group (sliding-window layers apart), the pools.
         self.kv_spec = KVCacheSpec(
             num_layers=len(self.attention_layers), num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
             block_size=config.block_size, dtype=kv_dtype,
         )
+        self.kv_groups: list[KVGroup] = kv_groups_of(self.attention_layers, int(config.max_model_len),
+                                                     config.block_size, kv_dtype)
         # By storage: a tied LM head appears in the state dict under two names but is held once.
         storages = {t.data_ptr(): t for t in self.model.state_dict().values()}
         on_device = [t.device.type == self.device.type for t in storages.values()]
@@ -101,7 +108,7 @@ class ModelRunner:
                                         config.gpu_memory_utilization)
         if moe_report:
             logger.info("%s", moe_report)
-        self.num_blocks = self._num_blocks()
+        self.group_num_blocks = self._num_blocks()
         self._allocate_kv_cache()
         self.graph_runner: DecodeGraphRunner | None = None
         if self._uses_cuda_graphs():
@@ -183,29 +190,46 @@ class ModelRunner:
         torch.cuda.synchronize(dev)
         return torch.cuda.max_memory_allocated(dev) - base
 
-    def _num_blocks(self) -> int:
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of KV-cache group 0's pool (the only pool of a model without sliding windows)."""
+        return self.group_num_blocks[0]
+
+    @property
+    def kv_windows(self) -> list[int | None]:
+        """Each KV-cache group's sliding window (None: full attention), for the block manager."""
+        return [g.window for g in self.kv_groups]
+
+    def _num_blocks(self) -> list[int]:
+        """Blocks per KV-cache group: ``num_kv_blocks`` each, or the budget split between the groups
+        (``memory.split_kv_pool``)."""
         cfg = self.config
         spec = self.kv_spec
         report = ""
+        needs = [g.need(int(cfg.max_model_len), cfg.max_num_batched_tokens) for g in self.kv_groups]
         if getattr(cfg, "num_kv_blocks", None):
-            num_blocks = int(cfg.num_kv_blocks)
-            budget = num_blocks * spec.bytes_per_block
+            counts = [int(cfg.num_kv_blocks)] * len(needs)
+            budget = sum(n * g.bytes_per_block for n, g in zip(counts, needs))
         else:
             budget, report = self._kv_budget_bytes()
-            num_blocks = max(0, budget // spec.bytes_per_block)
-        needed = spec.blocks_for(int(cfg.max_model_len))
-        if num_blocks < needed:
+            counts = split_kv_pool(budget, needs)
+        short = [(n, g) for n, g in zip(counts, needs) if n < g.blocks_per_sequence]
+        if short:
+            n, g = short[0]
             raise ValueError(
-                f"the KV cache has room for {num_blocks * spec.block_size} tokens ({max(budget, 0) / 2**20:.0f} MiB, "
-                f"{spec.bytes_per_token} bytes per token) but one sequence of max_model_len={cfg.max_model_len} "
-                f"needs {needed * spec.block_size}; lower max_model_len, use kv_cache_dtype='int8', or give the "
-                f"cache more memory (kv_cache_memory_bytes / gpu_memory_utilization / max_vram)"
-                + (f"\n{report}" if report else "")
+                f"the KV cache has room for {n * spec.block_size} tokens in {g.name} "
+                f"({max(budget, 0) / 2**20:.0f} MiB in all, {spec.bytes_per_token} bytes per token over all layers) "
+                f"but one sequence of max_model_len={cfg.max_model_len} needs {g.blocks_per_sequence * spec.block_size} "
+                f"there; lower max_model_len, use kv_cache_dtype='int8', or give the cache more memory "
+                f"(kv_cache_memory_bytes / gpu_memory_utilization / max_vram)" + (f"\n{report}" if report else "")
             )
+        if len(needs) > 1:
+            report = "\n".join(x for x in (report, describe_kv_groups(needs, counts, spec.block_size)) if x)
+        num_blocks = counts[0] if len(needs) == 1 else sum(counts)
         fp16_tokens = budget // KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size,
                                              torch.float16).bytes_per_token
         dtype = str(spec.dtype).replace("torch.", "")
-        if report:  # CUDA: one block, the KV pool line is the plan's last
+        if report:  # CUDA (one block, the KV pool line is the plan's last), or several KV-cache groups
             logger.info("%s\n  KV cache dtype %s (the same memory holds %d tokens in fp16)", report, dtype, fp16_tokens)
         else:
             logger.info(
@@ -215,23 +239,27 @@ class ModelRunner:
                 num_blocks * spec.bytes_per_block / 2**20, fp16_tokens, num_blocks * spec.block_size / cfg.max_model_len,
                 cfg.max_model_len,
             )
-        return int(num_blocks)
+        return counts
 
     def _allocate_kv_cache(self) -> None:
-        # One tensor per kind for all layers, each layer's PagedKV contiguous views of them (KVCacheSpec).
-        for layer, kv in zip(self.attention_layers,
-                             self.kv_spec.allocate_layers(len(self.attention_layers), self.num_blocks, self.device)):
-            layer.kv_cache = kv
+        # Per KV-cache group, one tensor per kind for its layers, each layer's PagedKV contiguous views of them
+        # (KVCacheSpec).
+        for group, num_blocks in zip(self.kv_groups, self.group_num_blocks):
+            caches = group.spec.allocate_layers(len(group.layers), num_blocks, self.device)
+            for i, kv in zip(group.layers, caches):
+                self.attention_layers[i].kv_cache = kv
 
     @torch.inference_mode()
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy whole KV blocks ``src -> dst`` in every layer (copy-on-fork of a partial block)."""
-        if not copies:
-            return
-        src = torch.tensor([c[0] for c in copies], device=self.device)
-        dst = torch.tensor([c[1] for c in copies], device=self.device)
-        for layer in self.attention_layers:
-            layer.kv_cache.copy_blocks(src, dst)
+    def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+        """Copy whole KV blocks ``(group, src, dst)`` in every layer of that group (copy-on-fork of a partial block)."""
+        for g, group in enumerate(self.kv_groups):
+            pairs = [(s, d) for grp, s, d in copies if grp == g]
+            if not pairs:
+                continue
+            src = torch.tensor([p[0] for p in pairs], device=self.device)
+            dst = torch.tensor([p[1] for p in pairs], device=self.device)
+            for i in group.layers:
+                self.attention_layers[i].kv_cache.copy_blocks(src, dst)
 
     def _embedding_on_host(self) -> bool:
         """Whether the input embedding stays in host memory (CUDA only; see EngineConfig)."""
@@ -280,7 +308,7 @@ class ModelRunner:
         return DecodeGraphRunner(
             self.model, self._max_decode_batch(), self.kv_spec.blocks_for(int(self.config.max_model_len)),
             self.model.config.hidden_size, self.dtype, self.device, use_cuda_graphs,
-            host_embedding=self.host_embedding,
+            host_embedding=self.host_embedding, num_kv_groups=len(self.kv_groups),
         )
 
     # ------------------------------------------------------------------ forward
@@ -307,13 +335,18 @@ class ModelRunner:
         """Set the attention context of ``step`` for an eager forward; returns its positions,
         int64 ``[num_tokens]`` on the device."""
         dev = self.device
-        tables = block_table_tensor(step.block_tables, len(step.block_tables), step.max_num_blocks, fill=-1)
+        width = step.max_num_blocks
+        tables = block_table_tensor(step.block_tables, len(step.block_tables), width, fill=-1)
+        others = tuple(KVGroupTables(torch.tensor(g.slot_mapping, dtype=torch.long, device=dev),
+                                     block_table_tensor(g.block_tables, len(g.block_tables), width, fill=-1).to(dev),
+                                     step.num_decodes) for g in step.other_groups)
         set_context(AttentionMetadata(
             num_decodes=step.num_decodes,
             slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.long, device=dev),
             context_lens=torch.tensor(step.context_lens, dtype=torch.int32, device=dev),
             block_tables=tables.to(dev),
             cu_seqlens_q=torch.tensor(step.cu_seqlens_q, dtype=torch.int32, device=dev),
+            other_groups=others,
         ))
         return torch.tensor(step.positions, dtype=torch.long, device=dev)
 
@@ -329,7 +362,7 @@ class ModelRunner:
             time: a whole chunk's logits, e.g. 2,048 x 128k x 4 bytes, are outside the memory plan).
         """
         self.copy_blocks(out.block_copies)
-        step = build_step_inputs(out, all_logits, self.config.block_size)
+        step = build_step_inputs(out, all_logits, self.config.block_size, len(self.kv_groups))
         try:
             if self.graph_runner is not None and not all_logits and self.graph_runner.can_run(step):
                 hidden = self.graph_runner.run(step)

@@ -41,7 +41,7 @@ class SchedulerOutput:
     """The step's batch: decodes (one new token) first, then prefill chunks."""
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int, int]] = field(default_factory=list)  # (KV-cache group, src, dst)
     num_preempted: int = 0
 
     @property
@@ -70,7 +70,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.pending_copies: list[tuple[int, int]] = []
+        self.pending_copies: list[tuple[int, int, int]] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -110,7 +110,8 @@ class Scheduler:
             i += 1
         while not out.num_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not bm.allocate_slots(seq, seq.num_tokens):  # the whole prompt (past any cached prefix)
+            # the whole prompt (past any cached prefix); a sliding-window group takes only this step's chunk
+            if not bm.allocate_slots(seq, seq.num_tokens, num_step_tokens=budget):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

@@ -29,7 +29,9 @@ class Sequence:
         num_prompt_tokens: prompt length in tokens.
         num_computed_tokens: tokens whose K/V are in the cache (prefix-cache hits included).
         num_cached_tokens: prompt tokens served by the prefix cache at the first admission.
-        block_table: KV block ids, in order.
+        block_tables: per KV-cache group (``engine/block_manager.py``), its KV block ids in order; a
+            sliding-window group has -1 where it freed a block its window has passed.
+        block_table: ``block_tables[0]`` (the only one of a model without sliding windows).
         block_hashes: chained hashes of its full blocks, filled by the BlockManager as needed.
     """
 
@@ -45,11 +47,20 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
-        self.block_table: list[int] = []
+        self.block_tables: list[list[int]] = [[]]
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.block_hashes: list[bytes] = []
         self.admitted = False  # admitted once: num_cached_tokens is fixed from then on
+
+    @property
+    def block_table(self) -> list[int]:
+        """KV-cache group 0's block ids (the only group of a model without sliding windows)."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,10 @@ to ``out.scheduled`` exist in one place only::
     token rows      [d1 d2 d0 | p0... p1...] decodes sorted by context length (the CPU decode
                                             groups neighbours), prefills as scheduled
     logits_idx      rows of the sampled tokens, in ``out.scheduled`` order
+
+A model with sliding-window layers has more than one KV-cache group (``block_manager.py``): each group's
+slots and block tables come from its own ``seq.block_tables[g]``; group 0's are the fields below, the
+others are in ``other_groups``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,14 @@ from dataclasses import dataclass, field
 import torch
 
 from lightinfer.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class GroupStepInputs:
+    """One more KV-cache group's slots and tables for a step (rows as :class:`StepInputs`')."""
+
+    slot_mapping: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -32,6 +44,7 @@ class StepInputs:
         cu_seqlens_q: ``[num_prefills + 1]`` offsets of the prefill chunks, from the first prefill token.
         num_decodes: sequences (= tokens) at the front that are decodes (one new token).
         logits_idx: token rows whose logits are returned, in ``out.scheduled`` order.
+        other_groups: KV-cache groups 1.. (module docstring); the fields above are group 0's.
     """
 
     input_ids: list[int] = field(default_factory=list)
@@ -42,14 +55,16 @@ class StepInputs:
     cu_seqlens_q: list[int] = field(default_factory=lambda: [0])
     num_decodes: int = 0
     logits_idx: list[int] = field(default_factory=list)
+    other_groups: list[GroupStepInputs] = field(default_factory=list)
 
     @property
     def max_num_blocks(self) -> int:
-        """Longest block table of the step (>= 1, so that a table tensor is never 0 wide)."""
-        return max([1, *(len(t) for t in self.block_tables)])
+        """Longest block table of the step in any group (>= 1, so that a table tensor is never 0 wide)."""
+        tables = [*self.block_tables, *(t for g in self.other_groups for t in g.block_tables)]
+        return max([1, *(len(t) for t in tables)])
 
 
-def build_step_inputs(out: SchedulerOutput, all_logits: bool, block_size: int) -> StepInputs:
+def build_step_inputs(out: SchedulerOutput, all_logits: bool, block_size: int, num_groups: int = 1) -> StepInputs:
     """Lay out ``out`` as flat lists (see the module docstring for the order).
 
     Args:
@@ -57,10 +72,11 @@ def build_step_inputs(out: SchedulerOutput, all_logits: bool, block_size: int) -
         all_logits: a logits row for every computed token (scoring) instead of one per
             sequence that completes its prompt.
         block_size: tokens per KV block.
+        num_groups: KV-cache groups (each sequence has that many block tables).
     Returns:
         The step's :class:`StepInputs`.
     """
-    step = StepInputs(num_decodes=out.num_decodes)
+    step = StepInputs(num_decodes=out.num_decodes, other_groups=[GroupStepInputs() for _ in range(num_groups - 1)])
     nd = step.num_decodes
     decode_order = sorted(range(nd), key=lambda i: out.scheduled[i].start)
     token_range: dict[int, tuple[int, int]] = {}
@@ -74,6 +90,10 @@ def build_step_inputs(out: SchedulerOutput, all_logits: bool, block_size: int) -
         step.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(a, b)]
         step.context_lens.append(b)
         step.block_tables.append(table)
+        for g, group in enumerate(step.other_groups, start=1):
+            gtable = seq.block_tables[g]
+            group.slot_mapping += [gtable[p // block_size] * block_size + p % block_size for p in range(a, b)]
+            group.block_tables.append(gtable)
         if i >= nd:
             step.cu_seqlens_q.append(step.cu_seqlens_q[-1] + s.num_new_tokens)
     for i, s in enumerate(out.scheduled):

@@ -32,6 +32,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
 
 from lightinfer.formats.gguf_blocks import DENSE_TYPES, UNPACKERS
+from lightinfer.formats.gguf_rope import apply_rope_overrides, rope_overrides
 from lightinfer.formats.scheme import LINEAR_FORMATS_KEY, LinearFormat
 
 SUPPORTED_TYPES = (*DENSE_TYPES, *UNPACKERS)
@@ -154,6 +155,7 @@ class GGUFFile:
         self.architecture = str(arch_field.contents()) if arch_field is not None else "?"
         infos = [(t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), int(t.data_offset),
                   int(t.n_bytes)) for t in reader.tensors]
+        rope = rope_overrides(reader, self.architecture)  # what transformers' reader drops (gguf_rope.py)
         moe_sizes = {key: reader.get_field(f"{self.architecture}.{key}") for key in _MOE_CONFIG_FIELDS}
         moe_sizes = {key: int(f.contents()) for key, f in moe_sizes.items() if f is not None}
         del reader  # drops its memory map
@@ -161,6 +163,7 @@ class GGUFFile:
             self.config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name)
         except (ValueError, KeyError, OSError, NotImplementedError) as e:
             raise ValueError(f"{self.path}: transformers cannot read its config ({e})") from e
+        apply_rope_overrides(self.config, rope)
         for key, value in moe_sizes.items():  # transformers' GGUF config reader leaves these at their defaults
             if hasattr(self.config, _MOE_CONFIG_FIELDS[key]):
                 setattr(self.config, _MOE_CONFIG_FIELDS[key], value)

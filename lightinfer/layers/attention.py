@@ -7,6 +7,12 @@ stay free of engine details.
 A batch is flat: ``[decode tokens | prefill tokens]``. Decodes (one new token per sequence)
 come first and use the decode kernel; the rest are (chunks of) prompts and use the prefill
 kernel, which attends to cached prefix blocks plus the new tokens.
+
+KV-cache groups: a model whose layers differ in how much context they keep (Gemma's sliding-window
+local layers beside global ones) has one KV pool per group, so each group has its own block tables and
+slot mapping (``engine/block_manager.py`` says why). Group 0's are :class:`AttentionMetadata`'s own
+fields; the others are in ``other_groups``. Each :class:`Attention` knows its group (``kv_group``, set
+by the model runner with the cache).
 """
 
 from __future__ import annotations
@@ -21,7 +27,29 @@ from torch import nn
 
 from lightinfer.kernels import PagedKV, SplitKPartials
 from lightinfer.layers.ops import ops_for
+from lightinfer.layers.rope_scaling import layer_types_of
 from lightinfer.layers.rotary import RotaryEmbedding
+
+
+@dataclass
+class KVGroupTables:
+    """One KV-cache group's tables for a step (groups after the first; see the module docstring).
+
+    Attributes:
+        slot_mapping: int64 ``[num_tokens]`` the token's slot in this group's pool (-1: padding).
+        block_tables: int32 ``[num_seqs, max_num_blocks]`` this group's blocks per sequence, -1 padded (and
+            -1 where a sliding-window group freed a block the window has passed).
+        num_decodes: as :attr:`AttentionMetadata.num_decodes`.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    num_decodes: int = 0
+
+    @functools.cached_property
+    def decode_block_tables(self) -> torch.Tensor:
+        """``block_tables[:num_decodes]``, one object per step (see ``AttentionMetadata``)."""
+        return self.block_tables[: self.num_decodes]
 
 
 @dataclass
@@ -37,6 +65,8 @@ class AttentionMetadata:
             relative to the first prefill token.
         no_cache: attend within the batch only (calibration / profiling), ``cu_seqlens_q``
             covering every sequence.
+        other_groups: KV-cache groups 1.. (module docstring); ``slot_mapping`` and ``block_tables``
+            above are group 0's.
     """
 
     num_decodes: int = 0
@@ -45,6 +75,21 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None
     cu_seqlens_q: torch.Tensor | None = None
     no_cache: bool = False
+    other_groups: tuple[KVGroupTables, ...] = ()
+
+    def group(self, index: int) -> AttentionMetadata | KVGroupTables:
+        """KV-cache group ``index``'s tables: an object with ``slot_mapping``, ``block_tables`` and
+        ``decode_block_tables`` (this metadata itself for group 0).
+
+        Raises:
+            RuntimeError: the step carries no tables for that group (a model/engine mismatch).
+        """
+        if index == 0:
+            return self
+        if index - 1 >= len(self.other_groups):
+            raise RuntimeError(f"attention layer of KV-cache group {index}, but the step has tables for "
+                               f"{1 + len(self.other_groups)} group(s)")
+        return self.other_groups[index - 1]
 
     @functools.cached_property
     def decode_block_tables(self) -> torch.Tensor:
@@ -56,6 +101,15 @@ class AttentionMetadata:
     def decode_context_lens(self) -> torch.Tensor:
         """``context_lens[:num_decodes]``, one object per step (see ``decode_block_tables``)."""
         return self.context_lens[: self.num_decodes]
+
+
+def sliding_window_of(hf_config: object, layer_idx: int) -> int | None:
+    """The sliding window of layer ``layer_idx`` of a transformers config (its ``layer_types`` entry is
+    ``"sliding_attention"``, or the config has a window and no layer types: Mistral, Phi-3); None = full."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or layer_types_of(hf_config)[layer_idx] != "sliding_attention":
+        return None
+    return int(window)
 
 
 _CONTEXT: AttentionMetadata | None = None
@@ -90,16 +144,36 @@ class Attention(nn.Module):
     """Scaled dot-product attention over the paged KV cache (GQA-aware).
 
     The model runner binds ``kv_cache``, this layer's :class:`~lightinfer.kernels.PagedKV`, after
-    allocating the pool (``kernels/paged_kv.py`` for the layout); without one (None) the layer attends
+    allocating the pool (``kernels/paged_kv.py`` for the layout), and sets ``kv_group``, the KV-cache
+    group whose tables the layer reads (module docstring); without a cache (None) the layer attends
     within the batch only.
+
+    Args:
+        num_heads, head_dim, scale, num_kv_heads: the attention's shape and softmax scale.
+        sliding_window: the layer sees only the last ``sliding_window`` tokens (itself included); None = all.
+        softcap: tanh soft-capping of the scaled scores, ``softcap * tanh(s / softcap)`` (Gemma 2); None = none.
     """
 
     accepts_split_k_partials = True  # forward_qkv sums a fused qkv GEMM's partials (layers/fusion.py)
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None, softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
+        self.sliding_window = int(sliding_window) if sliding_window else None
+        self.softcap = float(softcap) if softcap else None
         self.kv_cache: PagedKV | None = None
+        self.kv_group = 0
+
+    @property
+    def _window_args(self) -> dict:
+        """The kernels' ``window`` / ``softcap`` keyword arguments (only those this layer uses)."""
+        args: dict = {}
+        if self.sliding_window:
+            args["window"] = self.sliding_window
+        if self.softcap:
+            args["softcap"] = self.softcap
+        return args
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[T, H, D]``, k/v ``[T, Hkv, D]`` -> ``[T, H * D]``."""
@@ -107,9 +181,9 @@ class Attention(nn.Module):
         ops = ops_for(q)
         if ctx.no_cache or self.kv_cache is None:
             assert ctx.cu_seqlens_q is not None, "no KV cache bound and no cu_seqlens to attend within"
-            out = ops.varlen_causal_attention(q, k, v, ctx.cu_seqlens_q, self.scale)
+            out = ops.varlen_causal_attention(q, k, v, ctx.cu_seqlens_q, self.scale, **self._window_args)
             return out.reshape(q.shape[0], -1)
-        ops.store_kvcache(k, v, self.kv_cache, ctx.slot_mapping)
+        ops.store_kvcache(k, v, self.kv_cache, ctx.group(self.kv_group).slot_mapping)
         return self._attend(q, self.kv_cache, ctx)
 
     def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor | SplitKPartials,
@@ -128,13 +202,13 @@ class Attention(nn.Module):
             ``[T, H * D]``.
         """
         ctx = get_context()
-        if ctx.no_cache or self.kv_cache is None:
+        if ctx.no_cache or self.kv_cache is None or rotary_emb.is_partial:  # the fused op rotates whole heads
             q, k, v = self.split_qkv(qkv.reduced() if isinstance(qkv, SplitKPartials) else qkv)
             q, k = rotary_emb(positions, q, k)
             return self.forward(q, k, v)
         x = qkv.partials if isinstance(qkv, SplitKPartials) else qkv
         q = ops_for(x).rope_store_kvcache(positions, qkv, self.num_heads, self.num_kv_heads, rotary_emb.cos_cache,
-                                          rotary_emb.sin_cache, self.kv_cache, ctx.slot_mapping)
+                                          rotary_emb.sin_cache, self.kv_cache, ctx.group(self.kv_group).slot_mapping)
         return self._attend(q, self.kv_cache, ctx)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -148,10 +222,12 @@ class Attention(nn.Module):
         ops = ops_for(q)
         out = torch.empty_like(q)
         nd = ctx.num_decodes
+        tables = ctx.group(self.kv_group)
+        extra = self._window_args
         if nd:
-            out[:nd] = ops.paged_attention_decode(q[:nd], kv, ctx.decode_block_tables, ctx.decode_context_lens,
-                                                  self.scale)
+            out[:nd] = ops.paged_attention_decode(q[:nd], kv, tables.decode_block_tables, ctx.decode_context_lens,
+                                                  self.scale, **extra)
         if nd < q.shape[0]:
             out[nd:] = ops.paged_attention_prefill(q[nd:], kv, ctx.cu_seqlens_q, ctx.context_lens[nd:],
-                                                   ctx.block_tables[nd:], self.scale)
+                                                   tables.block_tables[nd:], self.scale, **extra)
         return out.reshape(q.shape[0], -1)

@@ -1,70 +1,66 @@
-"""Rotary position embedding (Su et al. 2021) with the Llama 3 frequency scaling."""
+"""Rotary position embedding (Su et al. 2021), rotate-half (HF Llama) convention, with every RoPE scaling
+of ``rope_scaling.py`` and partial rotation (only the first ``rotary_dim`` dims of a head turn).
+
+The model holds a precomputed cos/sin table per distinct RoPE (one for Llama; Gemma 3's local and global
+layers have one each); the kernels gather it at each token's position. Scalings that multiply cos and sin
+(YaRN's and LongRoPE's attention factor) are folded into the table.
+"""
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
 from lightinfer.layers.ops import ops_for
+from lightinfer.layers.rope_scaling import RopeSpec, inv_freq_and_scale, rope_spec
 
-
-def rope_parameters(hf_config: object) -> tuple[float, dict | None]:
-    """``(rope_theta, scaling dict or None)`` from a transformers config of either era.
-
-    transformers >= 5 keeps both in ``rope_parameters``; older releases use ``rope_theta`` and
-    ``rope_scaling``.
-    """
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
-    scaling = dict(params) if params.get("rope_type", "default") != "default" else None
-    if scaling is None:
-        old = getattr(hf_config, "rope_scaling", None)
-        if old and old.get("rope_type", old.get("type", "default")) != "default":
-            scaling = dict(old)
-    return theta, scaling
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3.1 scaling: low frequencies divided by ``factor``, high kept, a smooth ramp between."""
-    factor = float(scaling["factor"])
-    low = float(scaling.get("low_freq_factor", 1.0))
-    high = float(scaling.get("high_freq_factor", 4.0))
-    old_len = float(scaling["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_len / wavelen - low) / (high - low)
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-    return torch.where(is_mid, mid, scaled)
+__all__ = ["RopeSpec", "RotaryEmbedding", "rope_spec"]
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin table ``[max_position, head_dim // 2]`` (fp32), applied to q and k.
+    """Precomputed fp32 tables ``cos_cache``, ``sin_cache`` ``[max_position, rotary_dim // 2]``, applied to q/k.
 
-    Raises:
-        ValueError: a rope scaling type other than default / llama3 / linear.
+    Args:
+        spec: the layer type's :class:`RopeSpec` (``rope_spec(hf_config, layer_type)``).
+        max_position: table rows (default: the config's own limit, ``spec.max_positions()``).
+
+    The tables first follow transformers' choice for sequences within the original length;
+    :meth:`set_max_model_len` fixes them for an engine (``rope_scaling`` module docstring).
     """
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None) -> None:
+    def __init__(self, spec: RopeSpec, max_position: int | None = None) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        positions = torch.arange(max_position, dtype=torch.float32)
-        if scaling is not None:
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind == "llama3":
-                inv_freq = _llama3_inv_freq(inv_freq, scaling)
-            elif kind == "linear":
-                positions = positions / float(scaling["factor"])
-            else:
-                raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, llama3, linear)")
-        freqs = torch.outer(positions, inv_freq)
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self.spec = spec
+        self.head_dim, self.rotary_dim = spec.head_dim, spec.rotary_dim
+        self.register_buffer("cos_cache", torch.empty(0), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(0), persistent=False)
+        self._build(max_position or spec.max_positions(), None)
+
+    @property
+    def is_partial(self) -> bool:
+        """Whether only part of each head rotates (``rotary_dim < head_dim``)."""
+        return self.rotary_dim < self.head_dim
+
+    def _build(self, num_positions: int, max_model_len: int | None) -> None:
+        device = self.cos_cache.device
+        if device.type == "meta":  # shapes only (a meta-device model for sizing)
+            self.cos_cache = torch.empty(num_positions, self.rotary_dim // 2, device=device)
+            self.sin_cache = torch.empty(num_positions, self.rotary_dim // 2, device=device)
+            return
+        with torch.device("cpu"):  # fp32 angles on the host whatever the ambient device, then moved
+            inv_freq, scale = inv_freq_and_scale(self.spec, max_model_len)
+            freqs = torch.outer(torch.arange(num_positions, dtype=torch.float32), inv_freq)
+            cos, sin = freqs.cos() * scale, freqs.sin() * scale
+        self.cos_cache, self.sin_cache = cos.to(device), sin.to(device)
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """Size the tables to ``max_model_len`` positions and fix the length-dependent scalings (LongRoPE's
+        short/long factors, dynamic NTK's base) for an engine whose sequences reach ``max_model_len``."""
+        self._build(int(max_model_len), int(max_model_len))
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions ``[T]``; q ``[T, H, D]``, k ``[T, Hkv, D]`` -> rotated q, k (same shapes/dtypes)."""
+        """positions ``[T]``; q ``[T, H, D]``, k ``[T, Hkv, D]`` -> rotated q, k (same shapes/dtypes; dims past
+        ``rotary_dim`` unchanged)."""
         return ops_for(q).rotary_qk(positions, q, k, self.cos_cache, self.sin_cache)

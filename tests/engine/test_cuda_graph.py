@@ -101,12 +101,16 @@ PROMPTS = [list(range(3 + i, 20 + 9 * i)) for i in range(5)]
 PARAMS = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (24, 19, 14, 9, 3)]
 
 
-@pytest.mark.parametrize("kv", ["auto", "int8"])
-def test_static_buffer_path_matches_eager_engine(tmp_path, kv: str) -> None:
+@pytest.mark.parametrize("kv,model", [("auto", "llama"), ("int8", "llama"), ("int8", "gemma2")])
+def test_static_buffer_path_matches_eager_engine(tmp_path, kv: str, model: str) -> None:
     """A whole generation through the static-buffer path (decode batches shrinking from 7 to 1,
     padded to 8, 4, 2, 1; a seeded parallel-sampling request forks and copies a block) gives the
-    tokens of the plain eager engine, and each decode step the same logits."""
-    path = write_tiny_checkpoint(tmp_path / "m", "LlamaForCausalLM")
+    tokens of the plain eager engine, and each decode step the same logits. Gemma 2: two KV-cache
+    groups (a 24-token window), each with its own static slot mapping and block tables."""
+    from tests.models.arch_cases import write_case
+
+    path = write_tiny_checkpoint(tmp_path / "m", "LlamaForCausalLM") if model == "llama" else \
+        write_case(tmp_path / "m", model)
     params = [*PARAMS, SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)]
     prompts = [*PROMPTS, list(range(40, 61))]
     opts = {"dtype": "float32", "kv_cache_dtype": kv, "num_kv_blocks": 64, "max_num_seqs": 8}
@@ -115,6 +119,7 @@ def test_static_buffer_path_matches_eager_engine(tmp_path, kv: str) -> None:
     graphed = LLM(str(path), **opts)
     model_runner = graphed.llm_engine.model_runner
     model_runner.graph_runner = model_runner.build_graph_runner(use_cuda_graphs=False)
+    assert model_runner.graph_runner.num_kv_groups == (2 if model == "gemma2" else 1)
     recorder = EagerVsGraph(model_runner)
     want = [[c.token_ids for c in o.outputs] for o in plain.generate(prompts, params, use_tqdm=False)]
     got = [[c.token_ids for c in o.outputs] for o in graphed.generate(prompts, params, use_tqdm=False)]

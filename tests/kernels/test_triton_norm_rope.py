@@ -63,7 +63,9 @@ def test_rotary_qk_validation_errors() -> None:
     with pytest.raises(ValueError, match="q \\[T, Hq, D\\]"):
         nr.rotary_qk(pos, q, torch.randn(2, 2, 6), c, c)
     with pytest.raises(ValueError, match="cos_cache"):
-        nr.rotary_qk(pos, q, k, torch.randn(10, 3), c)
+        nr.rotary_qk(pos, q, k, torch.randn(10, 5), torch.randn(10, 5))  # more than D // 2 angles
+    with pytest.raises(ValueError, match="cos_cache"):
+        nr.rotary_qk(pos, q, k, torch.randn(10, 3), c)  # cos and sin disagree
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

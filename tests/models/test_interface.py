@@ -50,14 +50,20 @@ MOE_CONFIGS = {"MixtralForCausalLM": (transformers.MixtralConfig, {"num_local_ex
 DENSE_ARCHS = sorted(set(MODEL_REGISTRY) - set(MOE_CONFIGS))
 
 
+DENSE_CONFIGS = {"LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
+                 "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config",
+                 "Gemma2ForCausalLM": "Gemma2Config", "Gemma3ForCausalLM": "Gemma3TextConfig",
+                 "Phi3ForCausalLM": "Phi3Config"}
+
+
 def _config(arch: str, **extra: object) -> object:
-    cls = {"LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig,
-           "Qwen2ForCausalLM": transformers.Qwen2Config, "Qwen3ForCausalLM": transformers.Qwen3Config}.get(arch)
-    if cls is None:
+    if arch in DENSE_CONFIGS:
+        cls = getattr(transformers, DENSE_CONFIGS[arch])
+    else:
         cls, moe = MOE_CONFIGS[arch]
         extra = {**moe, "num_experts_per_tok": 2, **extra}
     cfg = cls(vocab_size=128, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
-              num_key_value_heads=2, head_dim=32, **extra)
+              num_key_value_heads=2, head_dim=32, **{"tie_word_embeddings": False, **extra})
     cfg.architectures = [arch]
     return cfg
 
@@ -98,10 +104,15 @@ def test_every_registered_class_implements_the_interface(arch: str) -> None:
     assert logits.shape == (t, 128) and logits.dtype == torch.float32
     # The shapes the quantizer uses, exactly those of the hand-written table it replaced.
     h, i, q, kv = 96, 160, 6 * 32, 2 * 32
-    assert cls.decoder_linear_shapes(cfg) == {
-        "self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-        "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
-    assert set(cls.awq_table.linears) == set(cls.decoder_linear_shapes(cfg))
+    if arch == "Phi3ForCausalLM":  # q/k/v and gate/up fused on disk
+        want = {"self_attn.qkv_proj": (q + 2 * kv, h), "self_attn.o_proj": (h, q), "mlp.gate_up_proj": (2 * i, h),
+                "mlp.down_proj": (h, i)}
+    else:
+        want = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    assert cls.decoder_linear_shapes(cfg) == want
+    # every linear is in the AWQ table, except Phi-3's o_proj (no qkv_proj -> o_proj group, as AutoAWQ)
+    assert set(cls.awq_table.linears) == set(want) - ({"self_attn.o_proj"} if arch == "Phi3ForCausalLM" else set())
     assert cls.linear_input_sizes(cfg) == {"hidden_size": 96, "intermediate_size": 160,
                                            "num_attention_heads * head_dim": 6 * head_dim_of(cfg)}
     assert arch in quantizable_architectures()
