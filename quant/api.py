@@ -129,6 +129,7 @@ def quantize(
     device = resolve_device(cfg.device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    tokenizer = ckpt.load_tokenizer()  # a broken or code-requiring tokenizer fails now, not after the layers
 
     names = ckpt.tensor_names()
     by_layer: dict[int, list[str]] = {}
@@ -143,7 +144,7 @@ def quantize(
     if cfg.method == "awq":
         from lightinfer.quant.calib import calibration_samples
 
-        samples = calibration_samples(ckpt.load_tokenizer(), cfg.calib, cfg.num_samples, cfg.seq_len)
+        samples = calibration_samples(tokenizer, cfg.calib, cfg.num_samples, cfg.seq_len)
         ids = torch.tensor(samples, dtype=torch.long)  # [S, L]
         seq_len = ids.shape[1]
         calib_tokens = ids.numel()

@@ -147,13 +147,15 @@ class GGUFFile:
         infos = [(t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), int(t.data_offset),
                   int(t.n_bytes)) for t in reader.tensors]
         del reader  # drops its memory map
-        try:
-            self.config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name)
-        except (ValueError, KeyError, OSError, NotImplementedError) as e:
-            raise ValueError(f"{self.path}: transformers cannot read its config ({e})") from e
+        try:  # trust_remote_code=False: transformers never asks on stdin (lightinfer runs no checkpoint code)
+            self.config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name,
+                                                     trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001 -- corrupt metadata raises many types (OverflowError, KeyError...)
+            raise ValueError(f"{self.path}: transformers cannot read its config from the metadata "
+                             f"({type(e).__name__}: {' '.join(str(e).split())[:300]}); re-download the file") from None
         self._processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=self.config.to_dict())
         with torch.device("meta"):  # only for names: a meta model allocates nothing
-            skeleton = AutoModelForCausalLM.from_config(self.config)
+            skeleton = AutoModelForCausalLM.from_config(self.config, trust_remote_code=False)
         with _cached_gguf_name_map():
             name_map = get_gguf_hf_weights_map(skeleton, self._processor)
         self.tensors: dict[str, GGUFTensor] = {}
