@@ -175,12 +175,18 @@ class Checkpoint:
         else:
             from transformers import AutoConfig
 
+            from lightinfer.models.registry import validate_model_config
+
+            where = str(self.path / "config.json")
+            # The sizes first, on the raw file: transformers itself divides by the head count, and every
+            # allocation follows from them (a zero, a negative or a million layers fails here, by name).
+            validate_model_config(_read_config_json(self.path / "config.json"), where)
             try:
                 self.hf_config = AutoConfig.from_pretrained(self.path, **NO_REMOTE_CODE)
             except Exception as e:  # noqa: BLE001 -- transformers and huggingface_hub raise many types for bad files
                 raise refuse_remote_code(self.path, e) or ValueError(
-                    f"{self.path / 'config.json'} could not be read as a transformers config: "
-                    f"{_one_line(e)}") from None
+                    f"{where} could not be read as a transformers config: {_one_line(e)}") from None
+            validate_model_config(self.hf_config, where)  # with transformers' defaults filled in
             if read_weights:  # dummy weights need only the config: a bare config folder is enough
                 self._index_safetensors()
         qc = getattr(self.hf_config, "quantization_config", None)
@@ -323,6 +329,18 @@ def _gguf_tokenizer(path: str) -> object:
     except Exception as e:  # noqa: BLE001 -- corrupt tokenizer metadata is a bad file, not a crash
         raise refuse_remote_code(p, e) or ValueError(
             f"{p}: its tokenizer metadata could not be read ({_one_line(e)}); re-download the file") from None
+
+
+def _read_config_json(path: Path) -> dict:
+    """``config.json`` as a dict. Raises ValueError naming the file when it is not a JSON object."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path} is not readable JSON ({_one_line(e)}); re-download or re-export it") from None
+    if not isinstance(raw, dict):  # a bad file is a ValueError, whatever the JSON type
+        raise ValueError(  # noqa: TRY004
+            f"{path} must hold a JSON object (the model's settings), got a JSON {type(raw).__name__}")
+    return raw
 
 
 def _one_line(exc: BaseException) -> str:

@@ -15,7 +15,6 @@ from lightinfer.engine.memory import (
     check_host_memory,
     check_weights_fit,
     graph_reserve_bytes,
-    module_bytes,
     plan_kv_pool,
 )
 from lightinfer.engine.scheduler import SchedulerOutput
@@ -24,7 +23,6 @@ from lightinfer.kernels import KVCacheSpec, decode_workspace_bytes
 from lightinfer.layers.attention import Attention, AttentionMetadata, set_context
 from lightinfer.layers.embed_head import VocabEmbedding
 from lightinfer.layers.fusion import fuse_model
-from lightinfer.layers.linear import W4A16Linear, W8A16Linear
 from lightinfer.loader import Checkpoint, load_weights
 from lightinfer.models.registry import get_model_class
 
@@ -97,14 +95,10 @@ class ModelRunner:
             self.graph_runner = self._capture_graphs()
 
     def _cpu_memory_parts(self, model_cls: type, checkpoint: Checkpoint) -> dict[str, int]:
-        """Host bytes a CPU engine will hold, by part, from the model built on the meta device."""
-        with torch.device("meta"):
-            skeleton = model_cls(checkpoint.hf_config, checkpoint.quant_config, self.dtype)
-        weights = module_bytes(skeleton)
-        elem = torch.empty(0, dtype=self.dtype).element_size()
+        """Host bytes a CPU engine will hold, by part, by arithmetic on the config (``estimate_weight_bytes``:
+        nothing is built, so a corrupt config with a million layers is refused at once)."""
         # On a CPU every 4-bit layer also keeps its weight dequantized once (W4A16Linear.pack_for_cpu).
-        dense = sum(m.in_features * m.out_features * elem for m in skeleton.modules()
-                    if isinstance(m, (W4A16Linear, W8A16Linear)))
+        weights, dense = model_cls.estimate_weight_bytes(checkpoint.hf_config, checkpoint.quant_config, self.dtype)
         kv = self.config.kv_cache_memory_bytes or (0 if self.config.num_kv_blocks else CPU_DEFAULT_KV_CACHE_BYTES)
         dtype = str(self.dtype).replace("torch.", "")
         return {f"weights ({dtype})": weights, "4-bit layers dequantized for the CPU GEMM": dense,

@@ -106,6 +106,12 @@ class _TensorError(ValueError):
 
 
 def _read_header(path: Path) -> GGUFReader:
+    from lightinfer.formats.gguf_header import check_gguf_header, gguf_config_fields
+    from lightinfer.models.registry import validate_model_config
+
+    # Counts and lengths bounded by the file, and the model's sizes checked, before any reader allocates.
+    config, field_names = gguf_config_fields(check_gguf_header(path))
+    validate_model_config(config, str(path), field_names)
     try:
         return _CheckedReader(path)
     except _TensorError as e:
@@ -153,6 +159,9 @@ class GGUFFile:
         except Exception as e:  # noqa: BLE001 -- corrupt metadata raises many types (OverflowError, KeyError...)
             raise ValueError(f"{self.path}: transformers cannot read its config from the metadata "
                              f"({type(e).__name__}: {' '.join(str(e).split())[:300]}); re-download the file") from None
+        from lightinfer.models.registry import validate_model_config
+
+        validate_model_config(self.config, f"{self.path} (metadata read as a transformers config)")
         self._processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=self.config.to_dict())
         with torch.device("meta"):  # only for names: a meta model allocates nothing
             skeleton = AutoModelForCausalLM.from_config(self.config, trust_remote_code=False)
