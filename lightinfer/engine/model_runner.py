@@ -23,6 +23,7 @@ from lightinfer.kernels import KVCacheSpec, decode_workspace_bytes
 from lightinfer.layers.attention import Attention, AttentionMetadata, set_context
 from lightinfer.layers.embed_head import VocabEmbedding
 from lightinfer.layers.fusion import fuse_model
+from lightinfer.layers.linear import W4A16Linear, W8A16Linear
 from lightinfer.loader import Checkpoint, load_weights
 from lightinfer.models.registry import get_model_class
 
@@ -86,6 +87,10 @@ class ModelRunner:
         # Weights kept in host memory while the model runs on a GPU (the input embedding).
         self.host_weight_bytes = sum(t.numel() * t.element_size() for t, d in zip(storages.values(), on_device)
                                      if not d)
+        # On a CPU every quantized linear also keeps its weight dequantized for the fp32 GEMM (pack_for_cpu).
+        self.cpu_dense_bytes = 0 if self.device.type != "cpu" else sum(
+            m.in_features * m.out_features * torch.empty(0, dtype=self.dtype).element_size()
+            for m in self.model.modules() if isinstance(m, (W4A16Linear, W8A16Linear)))
         if self.device.type == "cpu":
             self.model.pack_for_cpu()  # after weight_bytes: packed tensors are opaque, same size
         self.num_blocks = self._num_blocks()
