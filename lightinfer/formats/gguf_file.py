@@ -106,7 +106,7 @@ class _TensorError(ValueError):
 
 
 def _read_header(path: Path) -> GGUFReader:
-    from lightinfer.formats.gguf_header import check_gguf_header, gguf_config_fields
+    from lightinfer.formats.gguf_bounds import check_gguf_header, gguf_config_fields
     from lightinfer.models.registry import validate_model_config
 
     # Counts and lengths bounded by the file, and the model's sizes checked, before any reader allocates.

@@ -148,21 +148,34 @@ _FIELDS = {"num_hidden_layers": "block_count", "hidden_size": "embedding_length"
            "head_dim": "attention.key_length"}
 
 
-def gguf_config_fields(metadata: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+def _array_length(value: Any) -> int | None:
+    """The item count of an array value (this walk's :class:`_ArrayLength`, or a parsed list), else None."""
+    if isinstance(value, _ArrayLength):
+        return int(value)
+    return len(value) if isinstance(value, (list, tuple)) else None
+
+
+def gguf_config_fields(metadata: Any) -> tuple[dict[str, Any], dict[str, str]]:
     """The model sizes of a GGUF's metadata under transformers' names, and each field's GGUF key (for
     messages): ``({"model_type": "llama", "hidden_size": 576, ...}, {"hidden_size": "llama.embedding_length"})``.
-    Fields the file does not have are left out; ``vocab_size`` is the length of ``tokenizer.ggml.tokens``."""
+
+    Args:
+        metadata: anything with ``.get(key)``: :func:`check_gguf_header`'s dict (arrays as their length), or a
+            parsed header whose arrays are lists.
+    Fields the file does not have are left out; ``vocab_size`` is the length of ``tokenizer.ggml.tokens``.
+    """
     arch = metadata.get("general.architecture")
     config: dict[str, Any] = {"model_type": arch} if isinstance(arch, str) else {}
     names: dict[str, str] = {}
     for field, key in _FIELDS.items():
         full = f"{arch}.{key}"
-        if full in metadata:
-            value = metadata[full]
-            config[field] = f"an array of {int(value)} items" if isinstance(value, _ArrayLength) else value
+        value = metadata.get(full)
+        if value is not None:
+            length = _array_length(value)
+            config[field] = value if length is None else f"an array of {length} items"
             names[field] = full
-    tokens = metadata.get("tokenizer.ggml.tokens")
-    if isinstance(tokens, _ArrayLength):
-        config["vocab_size"] = int(tokens)
+    tokens = _array_length(metadata.get("tokenizer.ggml.tokens"))
+    if tokens is not None:
+        config["vocab_size"] = tokens
         names["vocab_size"] = "the length of tokenizer.ggml.tokens"
     return config, names

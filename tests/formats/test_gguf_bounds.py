@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lightinfer.cli import main
-from lightinfer.formats.gguf_header import check_gguf_header, gguf_config_fields
+from lightinfer.formats.gguf_bounds import check_gguf_header, gguf_config_fields
 from tests.formats.gguf_files import write_tiny_gguf
 
 
@@ -94,7 +94,7 @@ def test_tensor_table_corruption(tmp_path: Path, good: bytes) -> None:
 
 def _tensor_table_start(data: bytes) -> int:
     """Offset of the first tensor info, by walking the metadata with the module's own walker."""
-    from lightinfer.formats import gguf_header as H
+    from lightinfer.formats import gguf_bounds as H
 
     w = H._Walker(data, Path("x"))
     w.pos = 16
