@@ -39,6 +39,7 @@ from lightinfer.webui.replies import (
 
 __all__ = ["build_ui", "content_text", "engine_panel", "history_messages", "model_panel"]
 
+
 def check_message(message: Any) -> dict[str, Any]:
     """The chat box's validator: text that is not Unicode (a lone surrogate, which only a script or a broken
     client sends) is refused with a message over the box, which keeps the text. Gradio would otherwise echo it

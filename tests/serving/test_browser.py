@@ -71,19 +71,18 @@ def _wait_for(pred: Any, timeout: float, what: str) -> None:
 
 def test_ask_capital_streams_paris(browser: Any, real_server: LiveServer) -> None:
     page = _open(browser, real_server.url)
+    # Every text the first reply shows, recorded by the page itself on each DOM change: polling from here
+    # every 0.2 s could miss an 8-token reply's steps on a busy machine.
+    page.evaluate("""() => { window.__seen = new Set();
+        new MutationObserver(() => { const b = document.querySelector('[data-testid=bot]');
+                                     if (b) window.__seen.add(b.innerText); })
+            .observe(document.body, {subtree: true, childList: true, characterData: true}); }""")
     _send(page, "What is the capital of France?")
-    seen: list[str] = []
-
-    def done() -> bool:
-        texts = _bot_texts(page)
-        if texts:
-            seen.append(texts[0])
-        return any("tokens/s" in t for t in texts)
-
-    _wait_for(done, 90, "the reply and its stats line")
+    _wait_for(lambda: any("tokens/s" in t for t in _bot_texts(page)), 90, "the reply and its stats line")
     text = "\n".join(_bot_texts(page))
     assert "Paris" in text and "time to first token" in text
-    assert len({s for s in seen if s}) > 1  # the reply grew on screen: streamed, not one blob
+    seen = page.evaluate("() => [...window.__seen].filter(t => t.trim())")
+    assert len(seen) > 1, seen  # the reply grew on screen: streamed, not one blob
     page.context.close()
 
 
