@@ -16,6 +16,8 @@
 #                                     # Commit the file.
 #   bash bench/gpu_checks.sh smollm2  # SmolLM2 AWQ + INT8 KV, GPU vs CPU: the second of two calls that
 #                                     # bring the model (see bench/gpu_assets.py), ~1 min
+#   bash bench/gpu_checks.sh moe      # MoE (issue 18): tests/gpu/test_moe_gpu.py, then bench/moe.py --quick (fused
+#                                     # kernel vs per-expert loop vs dense W4 of the same active size), ~4 min
 #   bash bench/gpu_checks.sh first    # tests, then tune with what is left of 540 s (one machine start for both:
 #                                     # each start costs 1-2 minutes of a session's 15); extra arguments go to tune
 set -uo pipefail
@@ -48,5 +50,8 @@ case "${1:-tests}" in
   smollm2)
     $PY bench/gpu_assets.py join && $PY -m pytest -q -s tests/gpu/test_engine_gpu.py -k smollm2 2>&1 \
       | tee "$OUT/smollm2_gpu_vs_cpu.log" | tail -20 ;;
-  *) echo "unknown stage $1 (tests | tune | kernels | e2e | memory | smollm2 | first)"; exit 2 ;;
+  moe)
+    timeout 240 $PY -m pytest -q -rA tests/gpu/test_moe_gpu.py 2>&1 | tee "$OUT/moe_gpu_tests.log" | tail -15
+    timeout 300 $PY bench/moe.py --quick --out "$OUT/moe_gpu.json" 2>&1 | tee "$OUT/moe_gpu.log" | tail -20 ;;
+  *) echo "unknown stage $1 (tests | tune | kernels | e2e | memory | smollm2 | moe | first)"; exit 2 ;;
 esac

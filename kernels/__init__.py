@@ -10,6 +10,8 @@ The public surface (what layers, models and the engine import; importing it does
   :func:`pack_awq`, :func:`unpack_awq`, :func:`pack_int4_rows`, :func:`unpack_int4_rows`, :func:`zeros_are_integers`;
   the W8 one's :func:`dequantize_w8` (``reference.py``).
 * :func:`decode_workspace_bytes`: the memory a split paged-attention decode allocates.
+* :class:`ExpertWeights`: one linear of every expert of a MoE layer, stacked (``moe.py``), as the ``fused_moe``
+  op takes it.
 
 Build-time tooling (SASS counts, shared-memory and PDL checks) lives in ``lightinfer.kernels.audit``, which
 imports the kernels and is never imported by them. Engineering notes: ``kernels/README.md``.
@@ -20,6 +22,7 @@ from __future__ import annotations
 from . import switches
 from .attention_plan import decode_workspace_bytes
 from .backends import OP_NAMES, get_backend
+from .moe import ExpertWeights
 from .paged_kv import KV_BLOCK_SIZES, KVCacheSpec, PagedKV
 from .reference import dequantize_w8
 from .split_k import SplitKPartials
@@ -38,6 +41,7 @@ __all__ = [
     "BACKEND_NAMES",
     "KV_BLOCK_SIZES",
     "OP_NAMES",
+    "ExpertWeights",
     "KVCacheSpec",
     "PagedKV",
     "SplitKPartials",

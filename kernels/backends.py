@@ -36,6 +36,7 @@ OP_NAMES = (
     "rotary_qk",
     "rope_store_kvcache",
     "silu_and_mul",
+    "fused_moe",
 )
 
 _loaded: dict[str, ModuleType] = {}

@@ -15,6 +15,7 @@ import itertools
 
 import torch
 
+from .moe import ExpertWeights, check_moe_args
 from .paged_kv import PagedKV
 from .split_k import SplitKPartials
 from .w4_layout import (
@@ -30,7 +31,7 @@ from .w4_layout import (
 )
 
 __all__ = ["AWQ_ORDER", "AWQ_REVERSE_ORDER", "apply_rotary", "attend", "dequantize_kv_int8", "dequantize_w4",
-           "fused_add_rms_norm", "gather_kv", "pack_awq", "pack_int4_rows", "paged_attention_decode",
+           "fused_add_rms_norm", "fused_moe", "gather_kv", "pack_awq", "pack_int4_rows", "paged_attention_decode",
            "paged_attention_prefill", "quantize_kv_int8", "repack_awq_to_runtime", "rms_norm", "rope_store_kvcache",
            "rotary_qk", "silu_and_mul", "store_kvcache", "unpack_awq", "unpack_int4_rows", "varlen_causal_attention",
            "w4a16_gemm"]
@@ -310,3 +311,36 @@ def w8a16_gemm(
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+
+
+def fused_moe(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """The experts of a MoE layer on a routed batch: ``sum_j topk_weights[t, j] * E_j(x[t])`` with
+    ``E(x) = down(silu(gate(x)) * up(x))`` and ``E_j`` the expert ``topk_ids[t, j]``.
+
+    Naive: a loop over the experts, each on the tokens routed to it, in fp32; the SiLU-and-mul output is
+    rounded to ``x.dtype`` (where the kernels keep it between their two GEMMs).
+
+    Args:
+        x: ``[T, H]``.
+        w13: the experts' gate and up projections, stacked ``[E, 2 I, H]`` (``moe.ExpertWeights``).
+        w2: their down projections ``[E, H, I]``.
+        topk_weights: float ``[T, top_k]`` routing weights; topk_ids: int ``[T, top_k]`` experts.
+    Returns:
+        ``[T, H]`` in ``x.dtype``.
+    """
+    t, h, inter = check_moe_args(x, w13, w2, topk_weights, topk_ids)
+    out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
+    xf = x.to(torch.float32)
+    for e in range(w13.num_experts):
+        tok, slot = torch.where(topk_ids == e)
+        if tok.numel() == 0:
+            continue
+        gate_up = xf[tok] @ w13.dense(e).to(torch.float32).t()
+        act = (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype).to(torch.float32)
+        y = act @ w2.dense(e).to(torch.float32).t()
+        out.index_add_(0, tok, y * topk_weights[tok, slot].to(torch.float32).unsqueeze(1))
+    return out.to(x.dtype)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .moe_cpu import fused_moe
 from .paged_kv import PagedKV
 from .reference import (
     apply_rotary,
@@ -35,7 +36,7 @@ from .reference import (
 from .sdpa import attend, varlen_causal_attention
 from .split_k import SplitKPartials
 
-__all__ = ["apply_rotary", "fused_add_rms_norm", "gather_blocks", "gather_kv", "paged_attention_decode",
+__all__ = ["apply_rotary", "fused_add_rms_norm", "fused_moe", "gather_blocks", "gather_kv", "paged_attention_decode",
            "paged_attention_prefill", "rms_norm", "rope_store_kvcache", "rotary_qk", "silu_and_mul",
            "store_kvcache", "varlen_causal_attention", "w4a16_gemm", "w8a16_gemm"]
 

@@ -7,6 +7,7 @@ interpreter: tests). Cache-free attention has no kernel of ours: it is torch's S
 
 from __future__ import annotations
 
+from .fused_moe import fused_moe
 from .kv_store import store_kvcache
 from .norm_rope import fused_add_rms_norm, rms_norm, rotary_qk, silu_and_mul
 from .paged_attention import paged_attention_decode, paged_attention_prefill
@@ -15,6 +16,6 @@ from .sdpa import varlen_causal_attention
 from .w4a16_gemm import w4a16_gemm
 from .w8a16_gemm import w8a16_gemm
 
-__all__ = ["fused_add_rms_norm", "paged_attention_decode", "paged_attention_prefill", "rms_norm",
+__all__ = ["fused_add_rms_norm", "fused_moe", "paged_attention_decode", "paged_attention_prefill", "rms_norm",
            "rope_store_kvcache", "rotary_qk", "silu_and_mul", "store_kvcache", "varlen_causal_attention",
            "w4a16_gemm", "w8a16_gemm"]

@@ -98,6 +98,9 @@ class EngineConfig:
         embedding_on_host: on CUDA, keep the input embedding table in host memory (only rows
             are gathered, 8 KiB per token over PCIe) to give its GPU memory to the KV cache.
             None = yes unless it is tied to the LM head (which needs it on the GPU).
+        cpu_experts: mixture-of-experts models: keep the experts of the first N MoE layers in host
+            memory and compute them on the CPU (hidden states copied to the host and back for those
+            layers; no CUDA graphs then). 0 = every expert on the device (engine/moe_placement.py).
     """
 
     model: str
@@ -120,8 +123,12 @@ class EngineConfig:
     quantization: str | None = None
     skip_tokenizer_init: bool = False
     embedding_on_host: bool | None = None
+    cpu_experts: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.cpu_experts, bool) or not isinstance(self.cpu_experts, int) or self.cpu_experts < 0:
+            raise ValueError(f"cpu_experts must be an integer >= 0 (MoE layers whose experts stay in host memory), "
+                             f"got {self.cpu_experts!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.load_format not in LOAD_FORMATS:

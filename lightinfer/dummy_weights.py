@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lightinfer.layers.linear import W4A16Linear
+from lightinfer.layers.moe import FusedMoE
 from lightinfer.layers.norm import RMSNorm
 
 # Std of the dense weights and of the dequantized 4-bit weights: the usual initializer_range,
@@ -46,28 +47,44 @@ def dummy_awq_config(hf_config: object) -> dict:
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Fill every parameter and 4-bit buffer of ``model`` in place with seeded random values.
 
-    Dense weights and biases: normal(0, ``DUMMY_STD``). RMSNorm weights: 1. ``W4A16Linear``:
-    uniformly random 4-bit codes (random bytes written straight into ``qweight``), zero point
-    8 and scales around ``DUMMY_STD / 4.61`` (so the dequantized weight has the dense std).
-    The generator lives on the model's device, so nothing is built on the host.
+    Dense weights and biases: normal(0, ``DUMMY_STD``). RMSNorm weights: 1. ``W4A16Linear`` and W4
+    MoE experts: uniformly random 4-bit codes (random bytes written straight into ``qweight``), zero
+    point 8 and scales around ``DUMMY_STD / 4.61`` (so the dequantized weight has the dense std).
+    The generators live on the tensors' devices, so nothing is built on the host.
 
     Args:
         model: a lightinfer model (freshly constructed; its tensors may hold anything).
         seed: the same seed gives the same weights on the same device.
     """
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
+    generators: dict[torch.device, torch.Generator] = {}
+
+    def gen(t: torch.Tensor) -> torch.Generator:
+        # one generator per device: MoE experts kept in host memory (--cpu-experts) sit beside GPU tensors
+        if t.device not in generators:
+            generators[t.device] = torch.Generator(device=t.device)
+            generators[t.device].manual_seed(seed)
+        return generators[t.device]
+
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.weight.fill_(1.0)
         elif isinstance(module, W4A16Linear):
-            # A contiguous int32 [N, K/8] viewed as bytes: every nibble uniform in [0, 15].
-            module.qweight.view(torch.uint8).random_(0, 256, generator=gen)
-            module.scales.uniform_(0.5 * DUMMY_STD / _CODE_STD, 1.5 * DUMMY_STD / _CODE_STD, generator=gen)
-            module.zeros.fill_(8.0)
+            _fill_w4(module.qweight, module.scales, module.zeros, gen(module.qweight))
             module.integer_zeros = True
+        elif isinstance(module, FusedMoE):
+            for stack in (s for s in module.STACKS if module.is_quantized(s)):
+                qweight = getattr(module, f"{stack}_qweight")
+                _fill_w4(qweight, getattr(module, f"{stack}_scales"), getattr(module, f"{stack}_zeros"), gen(qweight))
+            module.weights_changed()
     norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
     for param in model.parameters():  # deduplicated: a tied head is filled once
         if id(param) not in norms:
-            param.normal_(0.0, DUMMY_STD, generator=gen)
+            param.normal_(0.0, DUMMY_STD, generator=gen(param))
+
+
+def _fill_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, gen: torch.Generator) -> None:
+    """Random 4-bit weights: a contiguous int32 ``[..., N, K/8]`` viewed as bytes (every nibble uniform in
+    [0, 15]), zero point 8, scales around ``DUMMY_STD / 4.61`` (dequantized std ``DUMMY_STD``)."""
+    qweight.view(torch.uint8).random_(0, 256, generator=gen)
+    scales.uniform_(0.5 * DUMMY_STD / _CODE_STD, 1.5 * DUMMY_STD / _CODE_STD, generator=gen)
+    zeros.fill_(8.0)

@@ -30,6 +30,37 @@ class ScaleGroup:
 
 
 @dataclass(frozen=True)
+class MoeAwq:
+    """A sparse MoE feed-forward, for AWQ (``quant/awq_moe.py`` handles it; its linears are not in ``groups``).
+
+    The block's input (the post-attention norm's output) is shared by every expert's gate and up projections,
+    the router and the shared expert: one set of scales, folded into that norm, searched on each expert's
+    routed tokens; the router (and the shared-expert gate) are scaled to match but stay dense. Each expert's
+    down projection gets its own scales, folded into that expert's up projection, searched on its tokens.
+
+    Attributes:
+        block: the block's path in the decoder layer (``mlp``, Mixtral's ``block_sparse_moe``).
+        proj_names: an expert's gate, up and down projections (checkpoint names under ``experts.{e}``).
+        shared: the shared expert's path (Qwen2-MoE ``mlp.shared_expert``), or None.
+        dense: paths of the block's linears that read its input and stay dense (router, shared-expert gate).
+    """
+
+    block: str
+    proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    shared: str | None = None
+    dense: tuple[str, ...] = ()
+    prev_op: str = "post_attention_layernorm"
+
+    def expert_linears(self, num_experts: int) -> tuple[str, ...]:
+        """Every expert projection's path (checkpoint names: ``mlp.experts.3.gate_proj``), expert by expert."""
+        return tuple(f"{self.block}.experts.{e}.{p}" for e in range(num_experts) for p in self.proj_names)
+
+    def shared_linears(self) -> tuple[str, ...]:
+        """The shared expert's gate, up and down projections (none without a shared expert)."""
+        return tuple(f"{self.shared}.{p}" for p in ("gate_proj", "up_proj", "down_proj")) if self.shared else ()
+
+
+@dataclass(frozen=True)
 class AwqTable:
     """The AWQ description of one decoder-layer architecture.
 
@@ -37,10 +68,12 @@ class AwqTable:
         groups: scale groups, in the order of the layer's forward.
         no_clip: linears whose clipping range is not searched (q/k: their outputs meet in a
             softmax, where a per-linear output error is a poor proxy).
+        moe: the layer's sparse MoE block, or None (a dense MLP, in ``groups``).
     """
 
     groups: tuple[ScaleGroup, ...]
     no_clip: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj")
+    moe: MoeAwq | None = None
 
     @property
     def linears(self) -> tuple[str, ...]:
@@ -62,3 +95,11 @@ LLAMA_TABLE = AwqTable(
         ScaleGroup("mlp.up_proj", ("mlp.down_proj",)),
     )
 )
+
+# MoE layers: attention as Llama's; the sparse block as MoeAwq says (its router stays dense).
+_ATTENTION_GROUPS = LLAMA_TABLE.groups[:2]
+QWEN3_MOE_TABLE = AwqTable(groups=_ATTENTION_GROUPS, moe=MoeAwq("mlp", dense=("mlp.gate",)))
+QWEN2_MOE_TABLE = AwqTable(groups=_ATTENTION_GROUPS, moe=MoeAwq("mlp", shared="mlp.shared_expert",
+                                                               dense=("mlp.gate", "mlp.shared_expert_gate")))
+MIXTRAL_TABLE = AwqTable(groups=_ATTENTION_GROUPS, moe=MoeAwq("block_sparse_moe", ("w1", "w3", "w2"),
+                                                             dense=("block_sparse_moe.gate",)))

@@ -128,6 +128,29 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
                 if hasattr(m, "in_features") and hasattr(m, "out_features")}
 
     @classmethod
+    def awq_table_for(cls, hf_config: object, layer_idx: int) -> AwqTable | None:
+        """The AWQ table of decoder layer ``layer_idx`` (MoE models mix sparse and dense layers); default
+        :attr:`awq_table`."""
+        return cls.awq_table
+
+    @classmethod
+    def weight_bytes_by_part(cls, hf_config: object, bits: int = 16, group_size: int = 128,
+                             dtype_bytes: int = 2) -> dict[str, int]:
+        """Weight bytes by part (embedding, LM head, attention, MLP, experts...) from the config alone, the
+        decoder linears at ``bits`` (16: dense) with ``group_size``: what a memory plan or ``fit`` needs before a
+        checkpoint is read. Architectures implement it (``models/sizes.py`` has the Llama family's arithmetic).
+
+        Raises:
+            NotImplementedError: the architecture does not implement it.
+        """
+        raise NotImplementedError(f"{cls.__name__} does not compute its weight bytes from the config")
+
+    @classmethod
+    def moe_layer_ids(cls, hf_config: object) -> list[int]:
+        """The decoder layers with a sparse mixture-of-experts block (none for a dense model)."""
+        return []
+
+    @classmethod
     def linear_input_sizes(cls, hf_config: object) -> dict[str, int]:
         """The input sizes of the decoder's linears (what a quantization group size must divide),
         keyed by a name for error messages. Default: each linear's ``in_features`` by path;

@@ -92,11 +92,14 @@ class LlamaMLP(nn.Module):
     fusion_plan = FusionPlan(fuse=(Fuse("gate_up_proj", ("gate_proj", "up_proj")),),
                              feeds=(Feeds("gate_up_proj", "act_fn"),))
 
-    def __init__(self, hf_config: object, layer_idx: int, quant_config: dict | None, dtype: torch.dtype) -> None:
+    def __init__(self, hf_config: object, layer_idx: int, quant_config: dict | None, dtype: torch.dtype,
+                 intermediate_size: int | None = None, prefix: str | None = None) -> None:
+        """``intermediate_size`` / ``prefix`` default to the config's and ``model.layers.{layer_idx}.mlp``
+        (a MoE's shared expert has its own)."""
         super().__init__()
-        h, i = hf_config.hidden_size, hf_config.intermediate_size
+        h, i = hf_config.hidden_size, intermediate_size or hf_config.intermediate_size
         bias = bool(getattr(hf_config, "mlp_bias", False))
-        p = f"model.layers.{layer_idx}.mlp"
+        p = prefix or f"model.layers.{layer_idx}.mlp"
         self.gate_proj = make_linear(h, i, bias, dtype, quant_config, f"{p}.gate_proj")
         self.up_proj = make_linear(h, i, bias, dtype, quant_config, f"{p}.up_proj")
         self.down_proj = make_linear(i, h, bias, dtype, quant_config, f"{p}.down_proj")
@@ -116,6 +119,7 @@ class LlamaDecoderLayer(nn.Module):
 
     qkv_bias = False
     qk_norm = False
+    mlp_name: ClassVar[str] = "mlp"  # the feed-forward's attribute (checkpoint name): Mixtral's is block_sparse_moe
     # o_proj's output is the x of post_attention_layernorm's residual add; down_proj's is the block's
     # output, which the next block's input norm (or the final norm) adds to the residual.
     fusion_plan = FusionPlan(feeds=(Feeds("self_attn.o_proj", "post_attention_layernorm"),
@@ -135,7 +139,12 @@ class LlamaDecoderLayer(nn.Module):
             self.qk_norm, rotary_emb,
         )
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(hf_config, layer_idx, quant_config, dtype)
+        setattr(self, self.mlp_name, self.build_mlp(hf_config, layer_idx, quant_config, dtype))
+
+    def build_mlp(self, hf_config: object, layer_idx: int, quant_config: dict | None, dtype: torch.dtype) -> nn.Module:
+        """The feed-forward of layer ``layer_idx`` (``[T, hidden] -> [T, hidden]``): a dense MLP here; MoE
+        architectures return their sparse block where the config makes the layer sparse."""
+        return LlamaMLP(hf_config, layer_idx, quant_config, dtype)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """positions ``[T]``, hidden ``[T, hidden]`` -> the block's output ``[T, hidden]`` (residual added)."""
@@ -160,7 +169,7 @@ class LlamaDecoderLayer(nn.Module):
             normed, residual = self.input_layernorm(hidden_states, residual)
         attn_out = self.self_attn(positions, normed)
         normed, residual = self.post_attention_layernorm(attn_out, residual)
-        return self.mlp(normed), residual
+        return getattr(self, self.mlp_name)(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -241,6 +250,17 @@ class LlamaForCausalLM(CausalLM):
         ``intermediate_size``."""
         return {"hidden_size": hf_config.hidden_size, "intermediate_size": hf_config.intermediate_size,
                 "num_attention_heads * head_dim": hf_config.num_attention_heads * head_dim_of(hf_config)}
+
+    @classmethod
+    def weight_bytes_by_part(cls, hf_config: object, bits: int = 16, group_size: int = 128,
+                             dtype_bytes: int = 2) -> dict[str, int]:
+        """Weight bytes by part from the config alone (``models/sizes.py``: embedding, head, attention, MLP...),
+        the decoder linears at ``bits`` (16: dense; 4: the W4 layout with ``group_size``)."""
+        from lightinfer.models.sizes import llama_family_weight_bytes
+
+        layer = cls.decoder_layer_cls
+        return llama_family_weight_bytes(hf_config, None, bits, group_size, dtype_bytes, head_dim_of(hf_config),
+                                         qkv_bias=bool(layer.qkv_bias), qk_norm=bool(layer.qk_norm))
 
     def forward(
         self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None

@@ -5,18 +5,25 @@ from __future__ import annotations
 
 from lightinfer.models.base import CausalLM
 from lightinfer.models.llama import LlamaForCausalLM
+from lightinfer.models.mixtral import MixtralForCausalLM
 from lightinfer.models.qwen2 import Qwen2ForCausalLM
+from lightinfer.models.qwen2_moe import Qwen2MoeForCausalLM
 from lightinfer.models.qwen3 import Qwen3ForCausalLM
+from lightinfer.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 # GGUF files carry no `architectures`; their model_type says it.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def architecture_of(hf_config: object) -> str:

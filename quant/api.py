@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from lightinfer.config import resolve_device
 from lightinfer.quant.config import QuantConfig
 from lightinfer.quant.export import AtomicOutputDir, check_output_dir, write_checkpoint
+from lightinfer.quant.layer_io import is_moe_linear, load_layer, per_expert_source, quantized_linear_shapes
 
 
 @dataclass
@@ -45,6 +46,8 @@ class QuantSummary:
     linear_fp16_bytes: int
     linear_quant_bytes: int
     layer_info: list[dict[str, float]] = field(default_factory=list)
+    moe_experts: int = 0
+    moe_rtn_experts: int = 0
 
     @property
     def linear_ratio(self) -> float:
@@ -64,7 +67,18 @@ class QuantSummary:
             f"  layers: {self.num_layers}, calibration tokens: {self.calib_tokens}, device: {self.device}",
             (f"  time: {self.seconds:.1f} s, peak memory: {self.peak_memory_bytes / mib:.0f} MiB"
              f" ({self.peak_memory_kind})"),
+            *([self.experts_line()] if self.moe_experts else []),
         ])
+
+    def experts_line(self) -> str:
+        """MoE models: how many experts were quantized with RTN rather than AWQ."""
+        from lightinfer.quant.awq_moe import MIN_EXPERT_TOKENS
+
+        if self.method != "awq":
+            return f"  experts: {self.moe_experts}, all with RTN (method {self.method})"
+        return (f"  experts: {self.moe_experts}; {self.moe_rtn_experts} quantized with RTN (fewer than "
+                f"{MIN_EXPERT_TOKENS} routed calibration tokens), {self.moe_experts - self.moe_rtn_experts} with AWQ "
+                f"on the tokens routed to them")
 
 
 def _peak_memory(device: torch.device) -> tuple[int, str]:
@@ -114,24 +128,29 @@ def quantize(
     table = model_cls.awq_table
     if table is None:
         raise ValueError(f"architecture {arch} cannot be quantized; supported: {', '.join(quantizable_architectures())}")
-    # (out_features, in_features) of each quantized linear of one decoder layer, in the table's order.
-    all_shapes = model_cls.decoder_linear_shapes(hf)
-    shapes = {n: all_shapes[n] for n in table.linears}
+    # (out_features, in_features) of each quantized linear of a decoder layer (MoE experts as expert 0).
+    shapes, first_layer = quantized_linear_shapes(model_cls, hf)
     num_layers = int(hf.num_hidden_layers)
+    tables = [model_cls.awq_table_for(hf, i) for i in range(num_layers)]
     keep_fp = tuple(n for n in shapes if cfg.skips(n))
-    in_features = {f"model.layers.0.{n}": k for n, (_, k) in shapes.items() if n not in keep_fp}
+    moe_kept = [n for n in keep_fp if any(is_moe_linear(t, n) for t in tables)]
+    if moe_kept:
+        raise ValueError(f"modules_to_not_convert={cfg.modules_to_not_convert} names MoE expert linears "
+                         f"({', '.join(moe_kept)}): experts are always quantized (their routers stay dense)")
+    in_features = {f"model.layers.{first_layer[n]}.{n}": k for n, (_, k) in shapes.items() if n not in keep_fp}
     if not in_features:
         raise ValueError(f"modules_to_not_convert={cfg.modules_to_not_convert} leaves no linear to quantize")
     group_size, reason = cfg.resolve_group_size(in_features)
     for n, (o, _) in shapes.items():
         if o % 8 and n not in keep_fp:
-            raise ValueError(f"model.layers.0.{n}: out_features {o} is not a multiple of 8 (AWQ packing)")
+            raise ValueError(f"model.layers.{first_layer[n]}.{n}: out_features {o} is not a multiple of 8 (AWQ packing)")
     device = resolve_device(cfg.device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     tokenizer = ckpt.load_tokenizer()  # a broken or code-requiring tokenizer fails now, not after the layers
 
-    names = ckpt.tensor_names()
+    num_experts = model_cls.moe_spec.num_experts_of(hf) if model_cls.moe_layer_ids(hf) else 0
+    names, get_tensor = per_expert_source(ckpt.tensor_names(), ckpt.get_tensor, num_experts)  # GGUF's stacks split
     by_layer: dict[int, list[str]] = {}
     other: list[str] = []
     for n in names:
@@ -157,6 +176,7 @@ def quantize(
     layer_info: list[dict[str, float]] = []
     tied = bool(getattr(hf, "tie_word_embeddings", False))
     linear_fp16 = linear_q = fp16_total = 0
+    moe_experts = moe_rtn = 0  # experts quantized, and of those with RTN
     with AtomicOutputDir(out, force) as tmp:
         bar = _progress(num_layers, progress, f"{cfg.method.upper()} W4 g{group_size}")
         try:
@@ -164,21 +184,26 @@ def quantize(
                 prefix = f"model.layers.{i}"
                 if cfg.method == "awq":
                     from lightinfer.quant.awq import quantize_layer
+                    from lightinfer.quant.awq_moe import quantize_moe_block
 
                     layer = model_cls.decoder_layer_cls(hf, i, quant_config=None, dtype=torch.float32)
-                    with torch.no_grad():
-                        for pname, p in layer.named_parameters():
-                            p.copy_(ckpt.get_tensor(f"{prefix}.{pname}").to(torch.float32))
+                    load_layer(layer, prefix, get_tensor)
                     layer.to(device)
                     lt, hidden, info = quantize_layer(
-                        layer, table, hidden, seq_len, group_size, cfg.n_grid, cfg.max_shrink, prefix, keep_fp)
+                        layer, tables[i], hidden, seq_len, group_size, cfg.n_grid, cfg.max_shrink, prefix, keep_fp,
+                        quantize_moe_block)
                     del layer
                     layer_info.append(info)
+                    moe_experts += int(info.get("moe.num_experts", 0))
+                    moe_rtn += int(info.get("moe.rtn_experts", 0))
                 else:
                     from lightinfer.quant.rtn import quantize_layer_rtn
 
                     lt = quantize_layer_rtn(
-                        ckpt.get_tensor, by_layer.get(i, []), table, prefix, group_size, device, keep_fp)
+                        get_tensor, by_layer.get(i, []), tables[i], prefix, group_size, device, keep_fp)
+                    if tables[i] is not None and tables[i].moe is not None:
+                        moe_experts += model_cls.moe_spec.num_experts_of(hf)
+                        moe_rtn = moe_experts
                 tensors.update(lt)
                 bar.update(1)
         finally:
@@ -196,7 +221,12 @@ def quantize(
                 fp16_total += o * k * 2
             elif not n.endswith((".qzeros", ".scales")):
                 fp16_total += t.numel() * 2
-        output_bytes = write_checkpoint(tmp, tensors, hf.to_dict(), cfg.to_hf_dict(group_size), cfg.format)
+        qdict = cfg.to_hf_dict(group_size)
+        routers = sorted({p.rsplit(".", 1)[-1] for t in tables if t is not None and t.moe is not None
+                          for p in t.moe.dense})
+        if routers:  # MoE routers (and Qwen2-MoE's shared-expert gate) stay dense: say so to other readers
+            qdict["modules_to_not_convert"] = sorted({*(qdict["modules_to_not_convert"] or []), *routers})
+        output_bytes = write_checkpoint(tmp, tensors, hf.to_dict(), qdict, cfg.format)
         ckpt.save_tokenizer_and_generation_config(tmp)
     peak, kind = _peak_memory(device)
     return QuantSummary(
@@ -205,4 +235,5 @@ def quantize(
         device=str(device), num_layers=num_layers, calib_tokens=calib_tokens, seconds=time.monotonic() - t0,
         peak_memory_bytes=peak, peak_memory_kind=kind, source_bytes=ckpt.source_bytes, fp16_bytes=fp16_total,
         output_bytes=output_bytes, linear_fp16_bytes=linear_fp16, linear_quant_bytes=linear_q, layer_info=layer_info,
+        moe_experts=moe_experts, moe_rtn_experts=moe_rtn,
     )

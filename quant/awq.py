@@ -29,7 +29,9 @@ calibration batch feeds the next layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -173,17 +175,22 @@ def capture(
     hidden: list[torch.Tensor],
     seq_len: int,
     total_tokens: int,
+    moe_inputs: list[torch.Tensor] | None = None,
 ) -> tuple[dict[str, InputStats], list[torch.Tensor]]:
     """Run ``layer`` on the calibration batch, recording each scale group's input.
 
     Args:
         hidden: chunks of the residual stream, each ``[n_seqs * seq_len, hidden]`` (whole sequences).
         total_tokens: tokens over all chunks (chooses Gram vs kept rows).
+        moe_inputs: where the table has a MoE block, a list that receives the block's input chunks.
     Returns:
         ``(stats by group's first linear, the layer's output chunks)``.
     """
     stats: dict[str, InputStats] = {}
     handles = []
+    if table.moe is not None and moe_inputs is not None:
+        handles.append(layer.get_submodule(table.moe.block).register_forward_pre_hook(
+            lambda _m, args: moe_inputs.append(args[0].detach().clone())))
     for group in table.groups:
         lin = layer.get_submodule(group.linears[0])
         k = lin.in_features
@@ -219,6 +226,7 @@ def quantize_layer(
     max_shrink: float,
     prefix: str,
     keep_fp: tuple[str, ...] = (),
+    moe_quantizer: Callable[..., Any] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[torch.Tensor], dict[str, float]]:
     """AWQ on one decoder layer (fp32, on the layer's device).
 
@@ -228,6 +236,8 @@ def quantize_layer(
         prefix: ``model.layers.{i}`` for tensor names and error messages.
         keep_fp: linears of the table left in full precision (``modules_to_not_convert``); their
             scales are still folded, their weights stored as fp16 ``.weight``.
+        moe_quantizer: for a table with a MoE block, what quantizes it (``quant/awq_moe.quantize_moe_block``,
+            passed in so that this module does not import that one, which builds on this one).
     Returns:
         ``(tensors, output chunks, info)``: ``tensors`` maps checkpoint names to CPU tensors
         (``.qweight/.qzeros/.scales`` of each quantized linear; norms, biases and other
@@ -238,7 +248,8 @@ def quantize_layer(
     for name, p in layer.named_parameters():
         check_finite(p, f"{prefix}.{name}")
     total = sum(x.shape[0] for x in hidden)
-    stats, outputs = capture(layer, table, hidden, seq_len, total)
+    moe_inputs: list[torch.Tensor] = []
+    stats, outputs = capture(layer, table, hidden, seq_len, total, moe_inputs)
     for out in outputs:
         check_finite(out, f"{prefix} output on the calibration batch")
     stats_of = {lin: stats[g.linears[0]] for g in table.groups for lin in g.linears}
@@ -275,6 +286,14 @@ def quantize_layer(
         tensors[f"{prefix}.{name}.qzeros"] = qzeros.cpu()
         tensors[f"{prefix}.{name}.scales"] = sc.cpu()
     quantized_weights = {f"{n}.weight" for n in table.linears if n not in keep_fp}
+    if table.moe is not None:  # the sparse block (after the attention groups, as in forward order)
+        if moe_quantizer is None:
+            raise ValueError(f"{prefix}: a MoE layer needs moe_quantizer (quant/awq_moe.quantize_moe_block)")
+        moe = moe_quantizer(layer, table.moe, moe_inputs, prefix, group_size, n_grid, max_shrink)
+        tensors.update(moe.tensors)
+        quantized_weights |= moe.replaced
+        info.update(moe.info)
+        info["moe.rtn_experts"], info["moe.num_experts"] = float(moe.rtn_experts), float(moe.num_experts)
     for name, p in layer.named_parameters():
         if name not in quantized_weights:
             tensors[f"{prefix}.{name}"] = p.detach().to("cpu", torch.float16)

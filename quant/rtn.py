@@ -6,6 +6,7 @@ no clipping, no calibration data), into the same AutoAWQ "gemm" format as AWQ.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import torch
@@ -37,6 +38,12 @@ def quantize_layer_rtn(
         ValueError: NaN/inf in a weight, naming it; a linear of the table missing.
     """
     quantized = {f"{prefix}.{lin}.weight" for lin in table.linears if lin not in keep_fp}
+    if table.moe is not None:  # every expert projection and the shared expert's linears
+        moe = table.moe
+        expert = re.compile(rf"{re.escape(prefix)}\.{re.escape(moe.block)}\.experts\.\d+\."
+                            rf"({'|'.join(map(re.escape, moe.proj_names))})\.weight$")
+        quantized |= {n for n in names if expert.match(n)}
+        quantized |= {f"{prefix}.{p}.weight" for p in moe.shared_linears()}
     missing = sorted(quantized - set(names))
     if missing:
         raise ValueError(f"checkpoint lacks {missing[0]} (expected by the quantization table)")

@@ -39,7 +39,9 @@ def write_tiny_checkpoint(
                 "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
     base.update(overrides)
     cfg_cls = {"LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig,
-               "Qwen2ForCausalLM": transformers.Qwen2Config, "Qwen3ForCausalLM": transformers.Qwen3Config}[arch]
+               "Qwen2ForCausalLM": transformers.Qwen2Config, "Qwen3ForCausalLM": transformers.Qwen3Config,
+               "MixtralForCausalLM": transformers.MixtralConfig, "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
+               "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig}[arch]
     cfg = cfg_cls(**base)
     cfg.architectures = [arch]
     torch.manual_seed(seed)
@@ -50,6 +52,8 @@ def write_tiny_checkpoint(
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif "bias" in name:
                 p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith((".gate.weight", "shared_expert_gate.weight")):  # MoE routers: no ties
+                p.copy_(torch.randn_like(p))
     model.save_pretrained(path, safe_serialization=True)
     _save_tokenizer(path, base["vocab_size"])
     return path

@@ -94,3 +94,13 @@ def test_bad_benchmark_input_fails_before_any_work(tmp_path) -> None:
                                            "--output-len", "8", "9", "--batch1-output-len", "8"]))
     with pytest.raises(FileNotFoundError, match="llama-3-8b"):
         mt.main(["--models", "llama3", "--out-dir", str(tmp_path)])
+
+
+def test_moe_kernel_bench_smoke_on_cpu() -> None:
+    """bench/moe.py --smoke: tiny MoE shapes through the fused op (torch_cpu here, or the Triton interpreter),
+    the per-expert loop and the dense W4 MLP of the same active size; the fused result checked on the way."""
+    moe = _load("moe")
+    result = moe.main(["--smoke"])
+    rows = result["rows"]
+    assert [r["tokens"] for r in rows] == moe.SMOKE_BATCHES
+    assert all(r["fused_rel_err"] < 1e-3 and r["fused_us"] > 0 and r["per_expert_loop_us"] > 0 for r in rows)

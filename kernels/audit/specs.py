@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .. import kv_store, norm_rope, paged_attention, rope_store, w4a16_gemm, w8a16_gemm
+from .. import fused_moe, kv_store, norm_rope, paged_attention, rope_store, w4a16_gemm, w8a16_gemm
 from ..launch_utils import TRITON_DTYPE, next_pow2
 from ..paged_kv import KV_BLOCK_SIZES
 from ..w4a16_tiled import w4a16_tiled_kernel
@@ -221,8 +221,31 @@ def w8a16_specs(dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16
     return specs
 
 
+def fused_moe_specs(dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)) -> list[LaunchSpec]:
+    """The fused-MoE kernel: each configuration, W4 at every group size and dense, gate/up (two accumulators and
+    the SiLU epilogue) and down (routing weights), per activation dtype."""
+    fm = fused_moe
+    specs: list[LaunchSpec] = []
+    ints = ("N", "K", "num_pairs", "a_div", "stride_am", "stride_we", "stride_wn", "stride_se", "stride_sg",
+            "stride_om")
+    for dt in dtypes:
+        f = "*" + TRITON_DTYPE[dt]
+        for cfg in fm.MOE_CONFIGS:
+            for group in (*fm.SUPPORTED_GROUP_SIZES, 0):
+                for gated in (True, False):
+                    sig = {"a_ptr": f, "w_ptr": "*i32" if group else f, "s_ptr": f, "z_ptr": f, "out_ptr": f,
+                           "topk_w_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
+                           "num_post_ptr": "*i32", **dict.fromkeys(ints, "i32")}
+                    ce = {"QUANT": bool(group), "GROUP_SIZE": group, "GATED": gated, "MUL_ROUTED": not gated,
+                          "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                          "BLOCK_K": min(cfg.block_k, group) if group else cfg.block_k, "UPCAST_DOT": False}
+                    specs.append(_spec(f"fused_moe[{dt}]", fm.fused_moe_kernel, sig, ce, cfg.num_warps,
+                                       cfg.num_stages))
+    return specs
+
+
 def all_launch_specs() -> list[LaunchSpec]:
     """Every :class:`LaunchSpec` of every launcher, in a fixed order (W4A16, attention, KV store, norms, RoPE store,
-    W8A16)."""
+    W8A16, fused MoE)."""
     return [*w4a16_specs(), *attention_specs(), *kv_store_specs(), *norm_rope_specs(), *rope_store_specs(),
-            *w8a16_specs()]
+            *w8a16_specs(), *fused_moe_specs()]

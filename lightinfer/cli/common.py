@@ -44,6 +44,10 @@ def add_engine_args(p: argparse.ArgumentParser, kv_cache_dtype: str = "auto") ->
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse the KV blocks of shared prompt prefixes")
     p.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
+    p.add_argument("--cpu-experts", type=int, default=0, metavar="N",
+                   help="MoE models: keep the experts of the first N MoE layers in host memory and compute them on "
+                        "the CPU, so a model larger than the GPU fits (the start-up log says which N a 12 GB card "
+                        "needs; 0: all experts on the device)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -56,6 +60,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "gpu_memory_utilization": args.gpu_memory_utilization, "max_vram": args.max_vram,
         "kv_cache_memory_bytes": args.kv_cache_memory, "enable_prefix_caching": not args.no_prefix_caching,
         "enforce_eager": args.enforce_eager,
+        "cpu_experts": getattr(args, "cpu_experts", 0),
         "load_format": "dummy" if getattr(args, "dummy_weights", False) else "auto",
         "quantization": getattr(args, "quantization", None),
     }

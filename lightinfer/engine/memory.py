@@ -153,3 +153,48 @@ def module_bytes(module: nn.Module, exclude: tuple[object, ...] = ()) -> int:
     for t in exclude:
         tensors.pop(id(t), None)
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+# What a GPU engine needs besides weights and KV: CUDA context (~0.4 GiB), the activation peak of a
+# 2048-token step and the CUDA-graph pool of a ~7B model, cuBLAS/Triton workspaces. An assumption for
+# advice from arithmetic alone; the real start-up plan (plan_kv_pool) measures each of them.
+FIT_RESERVE = 1 * GIB
+
+
+def cpu_experts_needed(total_weight_bytes: int, expert_bytes_per_layer: list[int], kv_bytes: int, budget: int,
+                       reserve: int = FIT_RESERVE) -> int | None:
+    """Fewest MoE layers (taken in order) whose experts must move to host memory for the rest of the weights,
+    ``reserve`` and ``kv_bytes`` of KV cache to fit ``budget`` (bytes); 0 if everything fits, None if even all
+    experts on the host leave too much."""
+    need = total_weight_bytes + reserve + kv_bytes
+    for n, layer_bytes in enumerate([0, *expert_bytes_per_layer]):
+        need -= layer_bytes
+        if need <= budget:
+            return n
+    return None
+
+
+def moe_fit_advice(total_weight_bytes: int, expert_bytes_per_layer: list[int], kv_bytes_per_token: int,
+                   max_model_len: int, budget: int, budget_note: str, reserve: int = FIT_RESERVE) -> str:
+    """One sentence: how a MoE model fits ``budget`` bytes of GPU memory, all on the GPU or with ``--cpu-experts N``
+    (the smallest N leaving room for one ``max_model_len`` sequence's KV cache, ``kv_bytes_per_token`` each).
+
+    Args:
+        total_weight_bytes: every weight (experts included); expert_bytes_per_layer: each MoE layer's experts,
+            in layer order; budget_note: what the budget is, e.g. "a 12 GB card".
+    """
+    where = f"on {budget_note} ({_gib(budget)})"
+    kv = kv_bytes_per_token * max_model_len
+    n = cpu_experts_needed(total_weight_bytes, expert_bytes_per_layer, kv, budget, reserve)
+    if n is None:
+        rest = total_weight_bytes - sum(expert_bytes_per_layer)
+        return (f"{where}: does not fit even with every expert in host memory (the other weights take "
+                f"{_gib(rest)}, plus ~{_gib(reserve)} of runtime and {_gib(kv)} of KV for max_model_len={max_model_len})")
+    gpu = total_weight_bytes - sum(expert_bytes_per_layer[:n])
+    tokens = max(0, budget - gpu - reserve) // max(kv_bytes_per_token, 1)
+    if n == 0:
+        return (f"{where}: fits on the GPU (weights {_gib(gpu)}, ~{_gib(reserve)} runtime, KV for {tokens} tokens)")
+    return (f"{where}: the weights ({_gib(total_weight_bytes)}) do not fit; --cpu-experts {n} keeps the experts of "
+            f"the first {n} of {len(expert_bytes_per_layer)} MoE layers ({_gib(total_weight_bytes - gpu)}) in host "
+            f"memory, leaving {_gib(gpu)} of weights on the GPU, ~{_gib(reserve)} of runtime and KV for {tokens} "
+            f"tokens (at least one sequence of max_model_len={max_model_len})")

@@ -17,6 +17,7 @@ from lightinfer.engine.memory import (
     graph_reserve_bytes,
     plan_kv_pool,
 )
+from lightinfer.engine.moe_placement import host_expert_layers, moe_startup_report, prepare_host_experts
 from lightinfer.engine.scheduler import SchedulerOutput
 from lightinfer.engine.step_inputs import StepInputs, block_table_tensor, build_step_inputs, select_rows
 from lightinfer.kernels import KVCacheSpec, decode_workspace_bytes
@@ -24,6 +25,7 @@ from lightinfer.layers.attention import Attention, AttentionMetadata, set_contex
 from lightinfer.layers.embed_head import VocabEmbedding
 from lightinfer.layers.fusion import fuse_model
 from lightinfer.layers.linear import W4A16Linear, W8A16Linear
+from lightinfer.layers.moe import experts_in_host_memory
 from lightinfer.loader import Checkpoint, load_weights
 from lightinfer.models.registry import get_model_class
 
@@ -58,7 +60,9 @@ class ModelRunner:
         model_cls = get_model_class(hf_config)
         if self.device.type == "cpu":
             check_host_memory(self._cpu_memory_parts(model_cls, checkpoint), available_host_bytes())
-        with torch.device(self.device):
+        # MoE: the experts of the first cpu_experts MoE layers are built in host memory (engine/moe_placement.py)
+        self.host_expert_layers = host_expert_layers(model_cls, hf_config, config.cpu_experts)
+        with torch.device(self.device), experts_in_host_memory(self.host_expert_layers):
             self.model = model_cls(hf_config, checkpoint.quant_config, self.dtype)
         # module -> how its weights were loaded ("W4 (GPTQ, g128)", "dense"...), for model_info()
         self.weight_formats: dict[str, str] = {}
@@ -93,6 +97,13 @@ class ModelRunner:
             for m in self.model.modules() if isinstance(m, (W4A16Linear, W8A16Linear)))
         if self.device.type == "cpu":
             self.model.pack_for_cpu()  # after weight_bytes: packed tensors are opaque, same size
+        else:
+            prepare_host_experts(self.model)  # --cpu-experts: their CPU GEMM form, once
+        moe_report = moe_startup_report(self.model, self.weight_bytes, self.host_weight_bytes,
+                                        self.kv_spec.bytes_per_token, int(config.max_model_len),
+                                        config.gpu_memory_utilization)
+        if moe_report:
+            logger.info("%s", moe_report)
         self.num_blocks = self._num_blocks()
         self._allocate_kv_cache()
         self.graph_runner: DecodeGraphRunner | None = None
@@ -102,11 +113,12 @@ class ModelRunner:
     def _cpu_memory_parts(self, model_cls: type, checkpoint: Checkpoint) -> dict[str, int]:
         """Host bytes a CPU engine will hold, by part, by arithmetic on the config (``estimate_weight_bytes``:
         nothing is built, so a corrupt config with a million layers is refused at once)."""
-        # On a CPU every 4-bit layer also keeps its weight dequantized once (W4A16Linear.pack_for_cpu).
+        # On a CPU every 4-bit layer also keeps its weight dequantized once (W4A16Linear.pack_for_cpu), MoE
+        # experts a CPU copy (kernels/moe_cpu.py).
         weights, dense = model_cls.estimate_weight_bytes(checkpoint.hf_config, checkpoint.quant_config, self.dtype)
         kv = self.config.kv_cache_memory_bytes or (0 if self.config.num_kv_blocks else CPU_DEFAULT_KV_CACHE_BYTES)
         dtype = str(self.dtype).replace("torch.", "")
-        return {f"weights ({dtype})": weights, "4-bit layers dequantized for the CPU GEMM": dense,
+        return {f"weights ({dtype})": weights, "4-bit layers dequantized and MoE experts prepacked for the CPU": dense,
                 "KV pool": int(kv)}
 
     # ------------------------------------------------------------------ KV pool
@@ -233,7 +245,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ CUDA graphs
     def _uses_cuda_graphs(self) -> bool:
-        return self.device.type == "cuda" and not self.config.enforce_eager
+        # Experts computed on the CPU (--cpu-experts) cannot be captured: such engines decode eagerly.
+        return self.device.type == "cuda" and not self.config.enforce_eager and not self.host_expert_layers
 
     def _max_decode_batch(self) -> int:
         """Most decodes one step can hold: one token each, so the token budget caps them too."""

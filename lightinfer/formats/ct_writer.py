@@ -36,7 +36,7 @@ def awq_to_compressed_tensors(tensors: dict[str, torch.Tensor], awq_config: dict
     quantized = {n[: -len(".qweight")] for n in tensors if n.endswith(".qweight")}
     for name, t in tensors.items():
         base, _, leaf = name.rpartition(".")
-        if base in quantized:
+        if base in quantized and leaf in ("qweight", "qzeros", "scales"):  # a bias (Qwen2's q/k/v) is copied
             if leaf == "qweight":
                 codes = unpack_awq(t.to(torch.int32))  # [K, N]
                 zeros = unpack_awq(tensors[f"{base}.qzeros"].to(torch.int32))  # [K // G, N]

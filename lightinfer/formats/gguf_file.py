@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,13 @@ from lightinfer.formats.gguf_blocks import DENSE_TYPES, UNPACKERS
 from lightinfer.formats.scheme import LINEAR_FORMATS_KEY, LinearFormat
 
 SUPPORTED_TYPES = (*DENSE_TYPES, *UNPACKERS)
+# MoE experts stacked in one tensor per projection (llama.cpp's blk.N.ffn_gate_exps: [E, N, K]) are named
+# "<experts prefix>.gate_exps" / "up_exps" / "down_exps" here (gguf_load puts them in FusedMoE's stacks).
+STACKED_EXPERTS = re.compile(r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight")
+STACKED_SUFFIX = "_exps"
+# GGUF metadata (under the architecture's prefix) -> the config field transformers' reader does not fill
+_MOE_CONFIG_FIELDS = {"expert_feed_forward_length": "moe_intermediate_size",
+                      "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
 _SUPPORTED_TEXT = ("F32, F16, BF16 (dense), Q4_0, Q4_1, Q4_K (4-bit kernels), Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 "
                    "(8-bit kernel)")
 _SYMMETRIC = {GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0}
@@ -152,6 +160,8 @@ class GGUFFile:
         self.architecture = str(arch_field.contents()) if arch_field is not None else "?"
         infos = [(t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), int(t.data_offset),
                   int(t.n_bytes)) for t in reader.tensors]
+        moe_sizes = {key: reader.get_field(f"{self.architecture}.{key}") for key in _MOE_CONFIG_FIELDS}
+        moe_sizes = {key: int(f.contents()) for key, f in moe_sizes.items() if f is not None}
         del reader  # drops its memory map
         try:  # trust_remote_code=False: transformers never asks on stdin (lightinfer runs no checkpoint code)
             self.config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name,
@@ -159,6 +169,9 @@ class GGUFFile:
         except Exception as e:  # noqa: BLE001 -- corrupt metadata raises many types (OverflowError, KeyError...)
             raise ValueError(f"{self.path}: transformers cannot read its config from the metadata "
                              f"({type(e).__name__}: {' '.join(str(e).split())[:300]}); re-download the file") from None
+        for key, value in moe_sizes.items():  # transformers' GGUF config reader leaves these at their defaults
+            if hasattr(self.config, _MOE_CONFIG_FIELDS[key]):
+                setattr(self.config, _MOE_CONFIG_FIELDS[key], value)
         from lightinfer.models.registry import validate_model_config
 
         validate_model_config(self.config, f"{self.path} (metadata read as a transformers config)")
@@ -170,6 +183,11 @@ class GGUFFile:
         self.tensors: dict[str, GGUFTensor] = {}
         for gguf_name, ggml_type, shape, offset, nbytes in infos:
             hf = name_map.get(gguf_name)
+            if (m := STACKED_EXPERTS.fullmatch(gguf_name)) is not None:
+                # transformers maps gate and up both to its fused experts.gate_up_proj (a name without ".weight"):
+                # keep them apart, stacked
+                hf = name_map.get(gguf_name[: -len(".weight")])
+                hf = None if hf is None else f"{hf.rsplit('.', 1)[0]}.{m[1]}{STACKED_SUFFIX}"
             if hf is None:
                 continue
             if ggml_type not in SUPPORTED_TYPES:
@@ -185,7 +203,7 @@ class GGUFFile:
             data = os.pread(f.fileno(), t.nbytes, t.offset)
         if len(data) != t.nbytes:
             raise ValueError(f"{self.path}: tensor {t.gguf_name} is truncated ({len(data)} of {t.nbytes} bytes)")
-        rows = t.shape[0] if len(t.shape) == 2 else 1
+        rows = int(np.prod(t.shape[:-1])) if len(t.shape) >= 2 else 1  # stacked experts: E x N rows
         return np.frombuffer(data, dtype=np.uint8).reshape(rows, -1)
 
     def dequantize(self, name: str) -> torch.Tensor:
@@ -227,10 +245,10 @@ class GGUFFile:
         (the W4 packing unit) runs as W8 (exact too)."""
         t = self.tensors[name]
         source = f"GGUF {t.type_name}"
-        if t.ggml_type in DENSE_TYPES or len(t.shape) != 2:
+        if t.ggml_type in DENSE_TYPES or len(t.shape) not in (2, 3):
             return LinearFormat("dense", 0, False, source)
         kind = UNPACKERS[t.ggml_type][1]
-        if kind == "w4" and t.shape[0] % 8:
+        if kind == "w4" and t.shape[-2] % 8:
             kind = "w8"
         group = 16 if t.ggml_type == GGMLQuantizationType.Q6_K else 32
         return LinearFormat(kind, group, t.ggml_type in _SYMMETRIC, source)
@@ -240,6 +258,10 @@ class GGUFFile:
         map (:data:`~lightinfer.formats.scheme.LINEAR_FORMATS_KEY`) of every ``*.weight`` matrix."""
         formats = {n[: -len(".weight")]: self.tensor_format(n) for n, t in self.tensors.items()
                    if n.endswith(".weight") and len(t.shape) == 2}
+        for n, t in self.tensors.items():  # stacked experts: the format of every expert's projection
+            if n.endswith(STACKED_SUFFIX) and len(t.shape) == 3:
+                prefix, part = n[: -len(STACKED_SUFFIX)].rsplit(".", 1)
+                formats.update({f"{prefix}.{e}.{part}_proj": self.tensor_format(n) for e in range(t.shape[0])})
         w4 = [f for f in formats.values() if f.kind == "w4"]
         return {"quant_method": "gguf", "bits": 4 if w4 else None, "group_size": 32 if w4 else None,
                 LINEAR_FORMATS_KEY: formats}

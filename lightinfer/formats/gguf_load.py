@@ -21,6 +21,9 @@ Per tensor (``GGUFFile.tensor_format`` decides the layout when the model is buil
 * Other quantized types (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) into ``W8A16Linear``: the codes as int8, the
   scales and zeros in fp32, which holds every product ``d * sc`` exactly: no rounding at all.
 * F32 / F16 / BF16 into the dense parameters (activation dtype).
+* MoE experts, stacked per projection in the file (``blk.N.ffn_gate_exps`` ``[E, N, K]``), into
+  ``FusedMoE``'s stacks (:func:`load_stacked_experts`): 4-bit types as W4 (fractional zeros kept on every
+  device: the MoE kernels subtract zeros in fp32), other types dequantized once into a dense stack.
 
 The token embedding and an untied output head of a quantized type become
 ``QuantizedVocabEmbedding`` / ``QuantizedLMHead`` over a W4/W8 table (tied: the head shares it).
@@ -43,11 +46,12 @@ import torch
 from torch import nn
 
 from lightinfer.formats.gguf_blocks import GroupCodes, unpack_blocks
-from lightinfer.formats.gguf_file import GGUFFile, GGUFTensor
+from lightinfer.formats.gguf_file import STACKED_SUFFIX, GGUFFile, GGUFTensor
 from lightinfer.formats.packing import check_finite
 from lightinfer.formats.scheme import LinearFormat
 from lightinfer.layers.embed_head import LMHead, VocabEmbedding
 from lightinfer.layers.linear import Linear, W4A16Linear
+from lightinfer.layers.moe import FusedMoE
 from lightinfer.layers.quant_embed import QuantizedLMHead, QuantizedVocabEmbedding
 from lightinfer.layers.w8_linear import W8A16Linear
 
@@ -71,7 +75,7 @@ def fractional_w4_allowed(device: torch.device) -> bool:
 
 def _codes(gf: GGUFFile, t: GGUFTensor) -> GroupCodes:
     """Unpack a quantized matrix, rows in transformers' order, scales checked finite."""
-    gc = unpack_blocks(gf.read_raw(t), t.ggml_type, t.shape[1])
+    gc = unpack_blocks(gf.read_raw(t), t.ggml_type, t.shape[-1])
     where = f"{gf.path}: tensor {t.gguf_name} ({t.type_name})"
     check_finite(gc.scale, where + " block scales", t.hf_name[: -len(".weight")])
     if gc.zero is not None:
@@ -160,6 +164,10 @@ def load_gguf_weights(model: nn.Module, gf: GGUFFile, fractional_zeros_ok: bool 
         module_name = name.rsplit(".", 1)[0]
         module = modules.get(module_name)
         fmt = gf.tensor_format(name)
+        if isinstance(module, FusedMoE):  # stacked experts (blk.N.ffn_*_exps) straight into the stacks
+            report[name] = load_stacked_experts(module, name.rsplit(".", 1)[1], gf, t, fmt)
+            loaded.update(f"{module_name}.{p}" for p in module.stacked_parameter_names)
+            continue
         if isinstance(module, (VocabEmbedding, LMHead)) and fmt.kind != "dense":
             _swap_table(model, module_name, module, gf, t, fmt, device, fractional_w4_ok, tied, report)
             loaded.update(n for n in params if n.startswith(module_name + ".") or (tied and n == "lm_head.weight"))
@@ -195,6 +203,8 @@ def load_gguf_weights(model: nn.Module, gf: GGUFFile, fractional_zeros_ok: bool 
     if tied and "lm_head" not in report and "model.embed_tokens" in report:
         report["lm_head"] = f"tied to embed_tokens: {report['model.embed_tokens']}"
     missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")]
+    missing += [f"{m}.{p}{STACKED_SUFFIX}" for m, mod in model.named_modules() if isinstance(mod, FusedMoE)
+                for p in ("gate", "up", "down") if f"{m}.{p}{STACKED_SUFFIX}" not in report]
     missing += [m for m, mod in model.named_modules() if isinstance(mod, (W4A16Linear, W8A16Linear))
                 and m not in report and not m.endswith(".table")]
     if missing:
@@ -203,6 +213,42 @@ def load_gguf_weights(model: nn.Module, gf: GGUFFile, fractional_zeros_ok: bool 
         logger.info("%d Q4_1/Q4_K tensors load as W8 (fractional zero points not allowed on W4 here); same codes "
                     "and scales, 1.25 bytes per weight", fallback_w8)
     return report
+
+
+@torch.no_grad()
+def load_stacked_experts(moe: FusedMoE, leaf: str, gf: GGUFFile, t: GGUFTensor, fmt: LinearFormat) -> str:
+    """One stacked expert tensor (``gate_exps`` / ``up_exps`` / ``down_exps``, ``[E, N, K]``) into ``moe``'s
+    gate/up or down stack: the 4-bit codes, scales and zeros as they are where the stack is W4 (groups of 32,
+    fractional zeros kept: the MoE kernels subtract them in fp32), else dequantized once into the dense stack
+    (8-bit types such as a Q4_K_M file's Q6_K down experts). Returns how it was loaded.
+
+    Raises:
+        ValueError: a shape that does not fit the layer, or NaN/inf block scales (naming the tensor).
+    """
+    part = leaf[: -len(STACKED_SUFFIX)]
+    stack = "w2" if part == "down" else "w13"
+    inter = moe.intermediate_size
+    rows = slice(None) if part == "down" else slice(0, inter) if part == "gate" else slice(inter, 2 * inter)
+    e, n, k = t.shape
+    want = (moe.num_experts, moe.hidden_size if part == "down" else inter, inter if part == "down" else moe.hidden_size)
+    if (e, n, k) != want:
+        raise ValueError(f"{gf.path}: tensor {t.gguf_name} has shape {(e, n, k)}, the model expects {want}")
+    if moe.is_quantized(stack) and fmt.kind == "w4":
+        gc = _codes(gf, t)
+        if gc.group_size != moe.group_sizes[stack]:
+            raise ValueError(f"{gf.path}: tensor {t.gguf_name} has groups of {gc.group_size}, the stack "
+                             f"{moe.group_sizes[stack]}")
+        zero = gc.zero if gc.zero is not None else np.zeros_like(gc.scale)
+        dtype = getattr(moe, f"{stack}_scales").dtype
+        getattr(moe, f"{stack}_qweight")[:, rows] = pack_codes_w4(gc.codes).view(e, n, k // 8)
+        for buf, values in (("scales", gc.scale), ("zeros", zero)):  # [E * N, K // G] -> [E, K // G, N]
+            target = getattr(moe, f"{stack}_{buf}")
+            target[:, :, rows] = torch.from_numpy(values).view(e, n, -1).transpose(1, 2).to(dtype)
+        moe.weights_changed()
+        return fmt.describe()
+    getattr(moe, f"{stack}_weight")[:, rows] = gf.dequantize(t.hf_name).to(getattr(moe, f"{stack}_weight").dtype)
+    moe.weights_changed()
+    return f"dense ({fmt.source})"
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> nn.Module:

@@ -144,9 +144,16 @@ def load_safetensors_weights(model: torch.nn.Module, tensors: Iterable[tuple[str
         ValueError: a shape mismatch or a missing tensor (named).
     """
     from lightinfer.layers.linear import Linear, W4A16Linear, W8A16Linear
+    from lightinfer.layers.moe_loading import expert_views, stacked_parameter_names
 
     params = dict(model.named_parameters())
     quant_modules = {n: m for n, m in model.named_modules() if isinstance(m, (W4A16Linear, W8A16Linear))}
+    # MoE experts: one view per expert projection into the layer's stacked tensors (layers/moe_loading.py)
+    for n in stacked_parameter_names(model):
+        del params[n]
+    experts = expert_views(model)
+    quant_modules.update({n: v for n, v in experts.items() if v.quantized})
+    dense_experts = {f"{n}.weight": v for n, v in experts.items() if not v.quantized}
     quant = QuantizedLoader(qc or {"quant_method": "awq"}, quant_modules, tensor_names, file_of) \
         if quant_modules else None
     tied = getattr(model, "tie_word_embeddings", False)
@@ -156,6 +163,10 @@ def load_safetensors_weights(model: torch.nn.Module, tensors: Iterable[tuple[str
             continue
         if quant is not None and quant.take(name, tensor):
             continue
+        if name in dense_experts:
+            dense_experts[name].load_dense(tensor)
+            loaded.add(name)
+            continue
         if name not in params:
             continue  # e.g. rotary inv_freq buffers some exporters write
         param = params[name]
@@ -164,10 +175,12 @@ def load_safetensors_weights(model: torch.nn.Module, tensors: Iterable[tuple[str
         param.copy_(tensor.to(param.dtype))
         loaded.add(name)
     missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")]
+    missing += [n for n in dense_experts if n not in loaded]
     missing += quant.missing() if quant is not None else []
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:5])}")
     report = dict(quant.done) if quant is not None else {}
+    report.update({n[: -len(".weight")]: "dense" for n in dense_experts})
     for n, m in model.named_modules():
         if isinstance(m, Linear) or n in ("model.embed_tokens", "lm_head"):
             report[n] = "tied to embed_tokens" if tied and n == "lm_head" else "dense"

@@ -100,3 +100,76 @@ def write_tiny_gguf(path: Path, types: dict[str, T] | None = None, seed: int = 0
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_tiny_qwen3moe_gguf(path: Path, types: dict[str, T] | None = None, seed: int = 0, hidden: int = 256,
+                             layers: int = 2, experts: int = 4, top_k: int = 2, expert_ff: int = 256) -> Path:
+    """A random Qwen3-MoE GGUF (llama.cpp's ``qwen3moe`` layout): experts stacked per projection in
+    ``blk.N.ffn_{gate,up,down}_exps`` ``[E, N, K]``, the router ``ffn_gate_inp`` F32, q/k norms."""
+    types = types or {}
+    rng = np.random.default_rng(seed)
+    heads, kv_heads, head_dim = 4, 2, 64
+    w = GGUFWriter(str(path), "qwen3moe")
+    w.add_name("tiny-qwen3moe")
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(4 * hidden)
+    w.add_expert_feed_forward_length(expert_ff)
+    w.add_expert_count(experts)
+    w.add_expert_used_count(top_k)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    _byte_tokenizer(w)
+
+    def tensor(name: str, kind: str, shape: tuple[int, ...]) -> None:
+        t = types.get(kind, T.F32)
+        data = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+        rows = data.reshape(-1, shape[-1])
+        w.add_tensor(name, encode(rows, t, rng).reshape(*shape[:-1], -1) if t not in (T.F32, T.F16)
+                     else encode(rows, t, rng).reshape(shape), raw_dtype=None if t in (T.F32, T.F16) else t)
+
+    def norm(name: str, n: int) -> None:
+        w.add_tensor(name, (1 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+
+    tensor("token_embd.weight", "token_embd", (VOCAB, hidden))
+    for i in range(layers):
+        norm(f"blk.{i}.attn_norm.weight", hidden)
+        tensor(f"blk.{i}.attn_q.weight", "attn_q", (heads * head_dim, hidden))
+        tensor(f"blk.{i}.attn_k.weight", "attn_k", (kv_heads * head_dim, hidden))
+        tensor(f"blk.{i}.attn_v.weight", "attn_v", (kv_heads * head_dim, hidden))
+        tensor(f"blk.{i}.attn_output.weight", "attn_output", (hidden, heads * head_dim))
+        norm(f"blk.{i}.attn_q_norm.weight", head_dim)
+        norm(f"blk.{i}.attn_k_norm.weight", head_dim)
+        norm(f"blk.{i}.ffn_norm.weight", hidden)
+        router = 0.1 * rng.standard_normal((experts, hidden))  # decisive routing, yet not chaotic under noise
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", router.astype(np.float32))
+        tensor(f"blk.{i}.ffn_gate_exps.weight", "ffn_gate_exps", (experts, expert_ff, hidden))
+        tensor(f"blk.{i}.ffn_up_exps.weight", "ffn_up_exps", (experts, expert_ff, hidden))
+        tensor(f"blk.{i}.ffn_down_exps.weight", "ffn_down_exps", (experts, hidden, expert_ff))
+    norm("output_norm.weight", hidden)
+    tensor("output.weight", "output", (VOCAB, hidden))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _byte_tokenizer(w: GGUFWriter) -> None:
+    """GPT-2 byte-level tokenizer metadata with :data:`VOCAB` tokens."""
+    from tokenizers import pre_tokenizers
+
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(byte_chars + [f"<extra_{i}>" for i in range(VOCAB - 258)] + ["<s>", "</s>"])
+    w.add_token_types([1] * (VOCAB - 2) + [3, 3])
+    w.add_token_scores([0.0] * VOCAB)
+    w.add_token_merges([])
+    w.add_bos_token_id(VOCAB - 2)
+    w.add_eos_token_id(VOCAB - 1)

@@ -13,6 +13,7 @@ import transformers
 
 from lightinfer.cli import main
 from lightinfer.engine.memory import module_bytes
+from lightinfer.layers.moe import FusedMoE
 from lightinfer.models.base import CausalLM
 from lightinfer.models.config_check import check_decoder_sizes
 from lightinfer.models.registry import MODEL_REGISTRY, get_model_class, validate_model_config
@@ -80,11 +81,19 @@ def test_the_checks_take_raw_dicts_and_transformers_configs() -> None:
     validate_model_config({"architectures": ["SomethingElse"], "hidden_size": -1}, "x")  # left to get_model_class
 
 
+# Sizes of the MoE families' experts (Qwen2-MoE: a shared expert, and layer 1 dense through mlp_only_layers).
+_MOE_SIZES: dict[str, dict[str, object]] = {
+    "Qwen3MoeForCausalLM": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128},
+    "Qwen2MoeForCausalLM": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+                            "shared_expert_intermediate_size": 256, "mlp_only_layers": [1]},
+    "MixtralForCausalLM": {"num_local_experts": 4, "num_experts_per_tok": 2},
+}
+
+
 def _llama_like(arch: str, **extra: object) -> object:
-    cls = {"LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig,
-           "Qwen2ForCausalLM": transformers.Qwen2Config, "Qwen3ForCausalLM": transformers.Qwen3Config}[arch]
+    cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
     cfg = cls(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=1024, **extra)
+              num_key_value_heads=2, max_position_embeddings=1024, **_MOE_SIZES.get(arch, {}), **extra)
     cfg.architectures = [arch]
     return cfg
 
@@ -108,6 +117,10 @@ def test_estimate_matches_the_built_model(arch: str, quantized: bool, tied: bool
         elem = torch.empty(0, dtype=dtype).element_size()
         want_dense = sum(m.in_features * m.out_features * elem for m in model.modules()
                          if type(m).__name__ in ("W4A16Linear", "W8A16Linear"))
+        # MoE experts' CPU copy: prepacked fp32 for fp32 engines, int4 for 16-bit ones (dense 16-bit: none).
+        want_dense += int(sum((2 if stack == "w13" else 1) * m.num_experts * m.hidden_size * m.intermediate_size
+                              * (4 if elem == 4 else 0.5 if m.is_quantized(stack) else 0)
+                              for m in model.modules() if isinstance(m, FusedMoE) for stack in m.STACKS))
         assert dense == want_dense
 
 

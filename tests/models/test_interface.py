@@ -43,16 +43,47 @@ def test_models_hold_no_kernel_tricks() -> None:
             assert trick not in text, f"{f.name} mentions {trick}: that belongs in layers/ (layers/fusion.py)"
 
 
+MOE_CONFIGS = {"MixtralForCausalLM": (transformers.MixtralConfig, {"num_local_experts": 4}),
+               "Qwen2MoeForCausalLM": (transformers.Qwen2MoeConfig, {"num_experts": 4, "moe_intermediate_size": 64,
+                                                                     "shared_expert_intermediate_size": 96}),
+               "Qwen3MoeForCausalLM": (transformers.Qwen3MoeConfig, {"num_experts": 4, "moe_intermediate_size": 64})}
+DENSE_ARCHS = sorted(set(MODEL_REGISTRY) - set(MOE_CONFIGS))
+
+
 def _config(arch: str, **extra: object) -> object:
     cls = {"LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig,
-           "Qwen2ForCausalLM": transformers.Qwen2Config, "Qwen3ForCausalLM": transformers.Qwen3Config}[arch]
+           "Qwen2ForCausalLM": transformers.Qwen2Config, "Qwen3ForCausalLM": transformers.Qwen3Config}.get(arch)
+    if cls is None:
+        cls, moe = MOE_CONFIGS[arch]
+        extra = {**moe, "num_experts_per_tok": 2, **extra}
     cfg = cls(vocab_size=128, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
               num_key_value_heads=2, head_dim=32, **extra)
     cfg.architectures = [arch]
     return cfg
 
 
-@pytest.mark.parametrize("arch", sorted(MODEL_REGISTRY))
+@pytest.mark.parametrize("arch", sorted(MOE_CONFIGS))
+def test_moe_classes_implement_the_interface(arch: str) -> None:
+    from lightinfer.layers.moe import FusedMoE
+
+    cfg = _config(arch)
+    cls = get_model_class(cfg)
+    assert issubclass(cls, CausalLM) and cls.awq_table is not None and cls.awq_table.moe is not None
+    with torch.device("meta"):
+        model = cls(cfg, None, torch.float32)
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert cls.moe_layer_ids(cfg) == [0, 1] and len(experts) == 2
+    i = 160 if arch == "MixtralForCausalLM" else 64
+    assert experts[0].w13_weight.shape == (4, 2 * i, 96) and experts[0].w2_weight.shape == (4, 96, i)
+    sizes = cls.linear_input_sizes(cfg)
+    assert sizes["hidden_size"] == 96 and i in sizes.values()
+    parts = cls.weight_bytes_by_part(cfg, bits=16, dtype_bytes=2)
+    assert parts["experts"] == 2 * 4 * 3 * i * 96 * 2
+    assert sum(parts.values()) == sum(t.numel() * 2 for t in model.state_dict().values())
+    assert arch in quantizable_architectures()
+
+
+@pytest.mark.parametrize("arch", DENSE_ARCHS)
 def test_every_registered_class_implements_the_interface(arch: str) -> None:
     cfg = _config(arch)
     cls = get_model_class(cfg)
@@ -74,6 +105,10 @@ def test_every_registered_class_implements_the_interface(arch: str) -> None:
     assert cls.linear_input_sizes(cfg) == {"hidden_size": 96, "intermediate_size": 160,
                                            "num_attention_heads * head_dim": 6 * head_dim_of(cfg)}
     assert arch in quantizable_architectures()
+    with torch.device("meta"):
+        dense = cls(cfg, None, torch.float16)
+    parts = cls.weight_bytes_by_part(cfg, bits=16, dtype_bytes=2)  # arithmetic = what the built model holds
+    assert sum(parts.values()) == sum(t.numel() * 2 for t in dense.state_dict().values()) and parts["experts"] == 0
 
 
 def test_the_default_linear_input_sizes_come_from_the_layer() -> None:

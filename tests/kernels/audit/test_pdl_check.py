@@ -25,7 +25,8 @@ def test_every_kernel_waits_before_touching_memory() -> None:
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {r["kernel"] for r in rows} >= {"w4a16_gemv", "w4a16_tiled", "w4a16_swap_ab", "w4a16_split_k_reduce",
                                            "w4_dequant", "attn_decode", "attn_decode_reduce", "attn_prefill",
-                                           "store_kv", "rms_norm", "rotary_qk", "silu_and_mul", "rope_store"}
+                                           "store_kv", "rms_norm", "rotary_qk", "silu_and_mul", "rope_store",
+                                           "fused_moe"}
     assert [r for r in rows if not (r["waits"] and r["releases"] and r["wait_before_memory"])] == []
     # Only the W4 GEMMs prefetch (their weight slices, into L2) before the wait.
     assert {r["kernel"] for r in rows if r["prefetches_before_wait"]} == {"w4a16_gemv", "w4a16_tiled", "w4a16_swap_ab"}

@@ -1,0 +1,85 @@
+"""The ``torch_cpu`` backend's mixture of experts (``kernels/moe_cpu.py``) against ``reference.fused_moe``: each
+expert on its routed tokens only, with dense and torch-int4 prepared weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightinfer.kernels import get_backend
+from lightinfer.kernels import reference as ref
+from lightinfer.kernels.moe_cpu import (
+    choose_kind,
+    int4_gemm_available,
+    onednn_available,
+    prepare_experts,
+    prepared_for,
+)
+from tests.kernels.test_triton_fused_moe import TOL, dense_experts, routed, w4_experts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 4, 37])
+def test_w4_matches_reference(dtype: torch.dtype, t: int) -> None:
+    gen = torch.Generator().manual_seed(t)
+    e, h, inter = 8, 64, 32
+    w13 = w4_experts(e, 2 * inter, h, 32, dtype, gen, fractional=True)
+    w2 = w4_experts(e, h, inter, 32, dtype, gen)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    weights, ids = routed(t, e, 2, gen)
+    got = get_backend("torch_cpu").fused_moe(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got.float(), ref.fused_moe(x, w13, w2, weights, ids).float(), **TOL[dtype])
+    # fp32: oneDNN's prepacked GEMM (exact); 16-bit: torch's int4 GEMM, half a byte per weight
+    want_kind = ("int4" if int4_gemm_available() else "dense") if dtype != torch.float32 else (
+        "onednn" if onednn_available() else "dense")
+    assert w13.prepared.kind == w2.prepared.kind == want_kind
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_experts_match_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(7)
+    w13, w2 = dense_experts(4, 40, 24, dtype, gen), dense_experts(4, 24, 20, dtype, gen)
+    x = torch.randn(9, 24, generator=gen).to(dtype)
+    weights, ids = routed(9, 4, 2, gen)
+    got = get_backend("torch_cpu").fused_moe(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got.float(), ref.fused_moe(x, w13, w2, weights, ids).float(), **TOL[dtype])
+
+
+def test_only_routed_experts_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step of one token with top-2 of 16 experts runs 2 x 2 expert GEMMs, not 16 x 2."""
+    from lightinfer.kernels import moe_cpu
+
+    gen = torch.Generator().manual_seed(8)
+    w13, w2 = w4_experts(16, 64, 32, 32, torch.float32, gen), w4_experts(16, 32, 32, 32, torch.float32, gen)
+    calls: list[int] = []
+    original = moe_cpu.CpuExperts.matmul
+    monkeypatch.setattr(moe_cpu.CpuExperts, "matmul", lambda self, e, x: calls.append(e) or original(self, e, x))
+    weights, ids = routed(1, 16, 2, gen)
+    get_backend("torch_cpu").fused_moe(torch.randn(1, 32, generator=gen), w13, w2, weights, ids)
+    assert sorted(calls) == sorted(ids[0].tolist() * 2)
+
+
+def test_prepared_once_and_kinds() -> None:
+    gen = torch.Generator().manual_seed(9)
+    w = w4_experts(2, 48, 64, 32, torch.bfloat16, gen)
+    assert choose_kind(w, torch.bfloat16) == ("int4" if int4_gemm_available() else "dense")
+    assert choose_kind(w, torch.float32) == ("onednn" if onednn_available() else "dense")
+    odd = w4_experts(2, 40, 64, 32, torch.bfloat16, gen)  # N not a multiple of 16: torch's int4 GEMM refuses
+    assert choose_kind(odd, torch.bfloat16) == "dense"
+    first = prepared_for(w, torch.bfloat16)
+    assert prepared_for(w, torch.bfloat16) is first  # kept, not made again
+    dense = prepare_experts(w, torch.float32, "dense")
+    torch.testing.assert_close(dense.weight[1], ref.dequantize_w4(w.qweight[1], w.scales[1], w.zeros[1]).float())
+
+
+@pytest.mark.parametrize("kind", ["dense", "onednn"])
+def test_fp32_kinds_agree(kind: str) -> None:
+    if kind == "onednn" and not onednn_available():
+        pytest.skip("no oneDNN prepacked GEMM in this torch build")
+    gen = torch.Generator().manual_seed(10)
+    w13, w2 = w4_experts(4, 64, 32, 32, torch.float32, gen), dense_experts(4, 32, 32, torch.float32, gen)
+    w13.prepared, w2.prepared = prepare_experts(w13, torch.float32, kind), prepare_experts(w2, torch.float32, kind)
+    x = torch.randn(6, 32, generator=gen)
+    weights, ids = routed(6, 4, 2, gen)
+    torch.testing.assert_close(get_backend("torch_cpu").fused_moe(x, w13, w2, weights, ids),
+                               ref.fused_moe(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
