@@ -188,12 +188,13 @@ def hf_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not args.dummy_weights:  # an AWQ folder needs its fp16 source here: --hf-model
-        return AutoModelForCausalLM.from_pretrained(args.hf_model or args.model, dtype=dtype).to(device).eval()
-    config = AutoConfig.from_pretrained(args.hf_model or args.model)
+        return AutoModelForCausalLM.from_pretrained(args.hf_model or args.model, dtype=dtype,
+                                                    trust_remote_code=False).to(device).eval()
+    config = AutoConfig.from_pretrained(args.hf_model or args.model, trust_remote_code=False)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the baseline is the fp16 model
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
     return model.eval()
 
 

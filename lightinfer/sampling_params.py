@@ -111,8 +111,11 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        # Completion i draws from a generator seeded with seed + i, which torch takes in [-2**63, 2**64).
+        if self.seed is not None and not (-(2**63) <= self.seed and self.seed + self.n - 1 < 2**64):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64 - n] (a 64-bit seed), got {self.seed}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}")
         if self.structured_outputs is not None:

@@ -20,8 +20,10 @@ import torch
 from torch import nn
 
 from lightinfer.layers.embed_head import VocabEmbedding
+from lightinfer.layers.linear import linear_nbytes
 from lightinfer.layers.rotary import RotaryEmbedding
 from lightinfer.models.awq_tables import AwqTable
+from lightinfer.models.config_check import check_decoder_sizes
 
 
 class CausalLM(nn.Module, metaclass=abc.ABCMeta):
@@ -68,9 +70,59 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
         """The input embedding (the engine may keep it in host memory, see ``offload_to_host``)."""
 
     @classmethod
+    def validate_config(cls, hf_config: object, where: str, field_names: dict[str, str] | None = None) -> None:
+        """Refuse a config this class cannot be built from, before anything is built or allocated.
+
+        The base checks the sizes every decoder config has (``models/config_check.py``: positive, within
+        sane bounds, heads consistent); an architecture overrides this to add its own fields and calls
+        ``super().validate_config(...)``. Called by the loader on the raw ``config.json`` dict (fields
+        left out are skipped: transformers fills its defaults) and again on the transformers config.
+
+        Args:
+            hf_config: a transformers config, or the raw ``config.json`` dict.
+            where: the file it came from, named in the message.
+            field_names: how the file names the fields where that differs (a GGUF's metadata keys).
+        Raises:
+            ValueError: naming ``where`` and the field, what is wrong and what is accepted.
+        """
+        check_decoder_sizes(hf_config, where, field_names)
+
+    @classmethod
+    def estimate_weight_bytes(cls, hf_config: object, quant_config: dict | None,
+                              dtype: torch.dtype) -> tuple[int, int]:
+        """Host or device bytes the model will hold, by arithmetic on the config (nothing is built, so a
+        huge config costs nothing to estimate; ``validate_config`` has bounded its sizes).
+
+        Counts the decoder linears in their formats (``layers.linear.linear_nbytes``), the embedding and
+        an untied LM head in ``dtype``, two norms per layer, the final norm and the fp32 rotary table;
+        biases and per-head norms are left out (well under 1%).
+
+        Returns:
+            ``(weights, cpu_dense)``: the model's parameters and buffers, and the dense copies a CPU engine
+            keeps of its quantized linears.
+        """
+        elem = torch.empty(0, dtype=dtype).element_size()
+        c = hf_config
+        shapes = cls.decoder_linear_shapes(c)
+        weights = dense = 0
+        for i in range(int(c.num_hidden_layers)):
+            for name, (out_features, in_features) in shapes.items():
+                stored, copy = linear_nbytes(in_features, out_features, False, dtype, quant_config,
+                                             f"model.layers.{i}.{name}")
+                weights, dense = weights + stored, dense + copy
+        hidden, vocab = int(c.hidden_size), int(c.vocab_size)
+        tied = bool(getattr(c, "tie_word_embeddings", False))
+        weights += vocab * hidden * elem * (1 if tied else 2) + (2 * int(c.num_hidden_layers) + 1) * hidden * elem
+        head_dim = getattr(c, "head_dim", None) or hidden // int(c.num_attention_heads)
+        positions = int(getattr(c, "max_position_embeddings", 0) or 0)
+        weights += 2 * positions * (int(head_dim) // 2) * 4  # cos and sin, fp32
+        return weights, dense
+
+    @classmethod
     def decoder_linear_shapes(cls, hf_config: object) -> dict[str, tuple[int, int]]:
         """``(out_features, in_features)`` of every linear of one decoder layer, by submodule path
-        (``"self_attn.q_proj"``), read from a layer built on the meta device (allocates nothing)."""
+        (``"self_attn.q_proj"``). Default: read from one layer built on the meta device (allocates
+        nothing); architectures may compute them from the config instead."""
         with torch.device("meta"):
             layer = cls.decoder_layer_cls(hf_config, 0, quant_config=None, dtype=torch.float32)
         return {name: (m.out_features, m.in_features) for name, m in layer.named_modules()

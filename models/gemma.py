@@ -153,6 +153,19 @@ class Gemma2ForCausalLM(CausalLM):
                 "num_attention_heads * head_dim": hf_config.num_attention_heads * head_dim_of(hf_config)}
 
     @classmethod
+    def estimate_weight_bytes(cls, hf_config: object, quant_config: dict | None,
+                              dtype: torch.dtype) -> tuple[int, int]:
+        """The base class's arithmetic plus what Gemma adds: a rotary table per layer type (sliding and
+        global) and the pre/post feed-forward norms of every layer."""
+        weights, dense = super().estimate_weight_bytes(hf_config, quant_config, dtype)
+        c = hf_config
+        head_dim = int(getattr(c, "head_dim", None) or int(c.hidden_size) // int(c.num_attention_heads))
+        positions = int(getattr(c, "max_position_embeddings", 0) or 0)
+        weights += (len(set(layer_types_of(c))) - 1) * 2 * positions * (head_dim // 2) * 4  # cos and sin, fp32
+        weights += 2 * int(c.num_hidden_layers) * int(c.hidden_size) * torch.empty(0, dtype=dtype).element_size()
+        return weights, dense
+
+    @classmethod
     def weight_bytes_by_part(cls, hf_config: object, bits: int = 16, group_size: int = 128,
                              dtype_bytes: int = 2) -> dict[str, int]:
         """Weight bytes by part from the config alone: Llama's arithmetic (``models/sizes.py``) plus the

@@ -22,6 +22,7 @@ from lightinfer.layers.norm import RMSNorm
 from lightinfer.layers.rotary import RotaryEmbedding, rope_spec
 from lightinfer.models.awq_tables import LLAMA_TABLE, AwqTable
 from lightinfer.models.base import CausalLM
+from lightinfer.models.config_check import check_size
 
 
 def head_dim_of(hf_config: object) -> int:
@@ -222,6 +223,30 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def validate_config(cls, hf_config: object, where: str, field_names: dict[str, str] | None = None) -> None:
+        """The base sizes plus this family's: ``intermediate_size`` (the MLP), a SiLU MLP and a positive
+        ``rms_norm_eps``. Raises ValueError naming ``where`` and the field."""
+        super().validate_config(hf_config, where, field_names)
+        get = hf_config.get if isinstance(hf_config, dict) else lambda k: getattr(hf_config, k, None)
+        check_size(hf_config, "intermediate_size", where, required=not isinstance(hf_config, dict),
+                   field_names=field_names)
+        act = get("hidden_act")
+        if act is not None and act != "silu":
+            raise ValueError(f"{where}: hidden_act {act!r} is not supported by {cls.__name__} (only silu)")
+        eps = get("rms_norm_eps")
+        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1):
+            raise ValueError(f"{where}: rms_norm_eps is {eps!r}; it must be a small positive number (e.g. 1e-5)")
+
+    @classmethod
+    def decoder_linear_shapes(cls, hf_config: object) -> dict[str, tuple[int, int]]:
+        """``(out_features, in_features)`` of the seven linears of one block, from the config."""
+        c = hf_config
+        h, i = int(c.hidden_size), int(c.intermediate_size)
+        q, kv = int(c.num_attention_heads) * head_dim_of(c), int(c.num_key_value_heads) * head_dim_of(c)
+        return {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
 
     @classmethod
     def linear_input_sizes(cls, hf_config: object) -> dict[str, int]:

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from lightinfer.layers.fusion import RESIDUAL, Feeds, FusionPlan
-from lightinfer.layers.linear import Linear
-from lightinfer.layers.moe import Router, make_experts, select_experts
+from lightinfer.layers.linear import Linear, linear_nbytes
+from lightinfer.layers.moe import Router, experts_nbytes, make_experts, select_experts
 from lightinfer.models.awq_tables import LLAMA_TABLE, AwqTable
 from lightinfer.models.llama import LlamaMLP
 from lightinfer.models.moe_spec import MoeSpec
@@ -110,6 +110,45 @@ class MoeCausalLMMixin:
             if spec.shared_size(c):
                 sizes[spec.shared_intermediate] = spec.shared_size(c)
         return sizes
+
+    @classmethod
+    def estimate_weight_bytes(cls, hf_config: object, quant_config: dict | None,
+                              dtype: torch.dtype) -> tuple[int, int]:
+        """The base class's arithmetic for attention, norms, embedding and head, with the feed-forward of every
+        layer counted as that layer has it: a dense MLP, or the experts (stored as ``quant_config`` says, 4-bit
+        or dense, like ``make_experts``), router and shared expert. Nothing is built.
+
+        Returns:
+            ``(weights, cpu_dense)``; ``cpu_dense`` adds the CPU copy of the experts (``kernels/moe_cpu.py``):
+            fp32 engines a prepacked fp32 one, 16-bit engines a 4-bit one for torch's int4 GEMM, none for
+            16-bit dense experts.
+        """
+        spec, c = cls.moe_spec, hf_config
+        weights, dense = super().estimate_weight_bytes(hf_config, quant_config, dtype)  # type: ignore[misc]
+        # The base counted layer 0's feed-forward for every layer: take it out, then add each layer's own.
+        h, inter = int(c.hidden_size), int(c.intermediate_size)
+        elem = torch.empty(0, dtype=dtype).element_size()
+        first_ffn = dict(cls.decoder_linear_shapes(c)).items()  # type: ignore[attr-defined]
+        for name, (n, k) in first_ffn:
+            if not name.startswith("self_attn."):
+                stored, copy = linear_nbytes(k, n, False, dtype, quant_config, f"model.layers.0.{name}")
+                weights, dense = weights - stored * int(c.num_hidden_layers), dense - copy * int(c.num_hidden_layers)
+        e, i, shared = spec.num_experts_of(c), int(getattr(c, spec.intermediate)), spec.shared_size(c)
+        for layer in range(int(c.num_hidden_layers)):
+            prefix = f"model.layers.{layer}.{spec.block_name}"
+            mlps: list[tuple[str, int]] = []
+            if spec.is_sparse(c, layer):
+                weights += e * h * elem + (h * elem if shared else 0)  # router, shared-expert gate
+                mlps = [(f"{prefix}.shared_expert", shared)] if shared else []
+                stored, copy = experts_nbytes(e, h, i, dtype, quant_config, f"{prefix}.experts", spec.proj_names)
+                weights, dense = weights + stored, dense + copy
+            else:
+                mlps = [(prefix, inter)]
+            for mlp_prefix, size in mlps:
+                for proj, (n, k) in (("gate_proj", (size, h)), ("up_proj", (size, h)), ("down_proj", (h, size))):
+                    stored, copy = linear_nbytes(k, n, False, dtype, quant_config, f"{mlp_prefix}.{proj}")
+                    weights, dense = weights + stored, dense + copy
+        return weights, dense
 
     @classmethod
     def weight_bytes_by_part(cls, hf_config: object, bits: int = 16, group_size: int = 128,

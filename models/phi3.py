@@ -89,3 +89,14 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     decoder_layer_cls: ClassVar[type[LlamaDecoderLayer]] = Phi3DecoderLayer
     awq_table: ClassVar[AwqTable | None] = PHI3_TABLE
+
+    @classmethod
+    def decoder_linear_shapes(cls, hf_config: object) -> dict[str, tuple[int, int]]:
+        """``(out_features, in_features)`` of the four linears of one block as the checkpoint stores them
+        (q/k/v and gate/up fused), from the config."""
+        c = hf_config
+        h, i = int(c.hidden_size), int(c.intermediate_size)
+        q, kv = int(c.num_attention_heads) * head_dim_of(c), int(c.num_key_value_heads) * head_dim_of(c)
+        return {"self_attn.qkv_proj": (q + 2 * kv, h), "self_attn.o_proj": (h, q), "mlp.gate_up_proj": (2 * i, h),
+                "mlp.down_proj": (h, i)}
+

@@ -58,3 +58,23 @@ def get_model_class(hf_config: object) -> type[CausalLM]:
 def quantizable_architectures() -> list[str]:
     """The registered architectures ``quantize`` handles (their class has an AWQ table), sorted."""
     return sorted(arch for arch, cls in MODEL_REGISTRY.items() if cls.awq_table is not None)
+
+
+def validate_model_config(hf_config: object, where: str, field_names: dict[str, str] | None = None) -> None:
+    """Run the registered class's :meth:`~lightinfer.models.base.CausalLM.validate_config` on ``hf_config``
+    (a transformers config or the raw ``config.json`` dict); an unregistered architecture is left to
+    :func:`get_model_class`, whose message lists the supported ones.
+
+    Raises:
+        ValueError: naming ``where`` and the field.
+    """
+    if isinstance(hf_config, dict):
+        archs = hf_config.get("architectures") or []
+        model_type = hf_config.get("model_type")
+        arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else \
+            _BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+    else:
+        arch = architecture_of(hf_config)
+    cls = MODEL_REGISTRY.get(arch) if isinstance(arch, str) else None
+    if cls is not None:
+        cls.validate_config(hf_config, where, field_names)

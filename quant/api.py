@@ -147,6 +147,7 @@ def quantize(
     device = resolve_device(cfg.device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    tokenizer = ckpt.load_tokenizer()  # a broken or code-requiring tokenizer fails now, not after the layers
 
     num_experts = model_cls.moe_spec.num_experts_of(hf) if model_cls.moe_layer_ids(hf) else 0
     names, get_tensor = per_expert_source(ckpt.tensor_names(), ckpt.get_tensor, num_experts)  # GGUF's stacks split
@@ -162,7 +163,7 @@ def quantize(
     if cfg.method == "awq":
         from lightinfer.quant.calib import calibration_samples
 
-        samples = calibration_samples(ckpt.load_tokenizer(), cfg.calib, cfg.num_samples, cfg.seq_len)
+        samples = calibration_samples(tokenizer, cfg.calib, cfg.num_samples, cfg.seq_len)
         ids = torch.tensor(samples, dtype=torch.long)  # [S, L]
         seq_len = ids.shape[1]
         calib_tokens = ids.numel()

@@ -2,20 +2,24 @@
 
 Everything is written into a temporary folder next to the target (same file system) and
 renamed onto it at the very end, so an interrupted or failed ``quantize`` leaves nothing
-behind: neither a half-written model nor the temporary folder. The folder holds
+behind: neither a half-written model nor the temporary folder (a SIGKILL, which no code can catch,
+leaves the temporary folder; the next ``quantize`` to the same target removes it). The folder holds
 ``config.json`` (with ``quantization_config``), ``model.safetensors``, the tokenizer files and
 ``generation_config.json`` (DESIGN.md "Formats").
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import shutil
 import signal
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -38,6 +42,52 @@ def check_output_dir(out: str | Path, force: bool) -> Path:
     return p
 
 
+# When this process started (close enough: the module loads at the start of a quantize); a temporary folder
+# older than this cannot belong to this run.
+_PROCESS_START = time.time()
+
+
+def remove_stale_temp_dirs(out: Path) -> list[Path]:
+    """Remove the temporary folders an earlier, killed ``quantize`` to ``out`` left next to it: ours are named
+    ``.NAME.tmp-PID-*`` (``.NAME.old-PID-*`` while a ``--force`` swaps folders). Only SIGKILL (or a crash of the
+    machine) leaves one, so every one older than this process is stale, unless its PID is a live process
+    other than this one (another ``quantize`` to the same target, still running).
+
+    Returns:
+        The folders removed (the caller says so).
+    """
+    removed = []
+    for d in out.parent.glob(f".{glob.escape(out.name)}.*-*"):
+        m = _TEMP_NAME.fullmatch(d.name[len(out.name) + 1:])
+        if not m or not d.is_dir() or d.is_symlink():
+            continue
+        try:
+            if d.stat().st_mtime >= _PROCESS_START:
+                continue
+        except OSError:
+            continue
+        pid = int(m.group(2)) if m.group(2) else None
+        if pid is not None and pid != os.getpid() and _alive(pid):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        if not d.exists():
+            removed.append(d)
+    return removed
+
+
+_TEMP_NAME = re.compile(r"\.(tmp|old)-(?:(\d+)-)?[a-z0-9_]{8}")  # tempfile.mkdtemp adds 8 of these
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, someone else's
+        return True
+    return True
+
+
 def _sigterm_to_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -47,7 +97,8 @@ class AtomicOutputDir:
     becomes ``out`` (replacing it when ``force``); on any exception, KeyboardInterrupt
     included (SIGTERM is turned into one while the block runs in the main thread), ``tmp`` and
     any parent folders this created are removed, a line saying so is printed to stderr, and the
-    exception propagates. Only SIGKILL can leave a hidden ``.NAME.tmp-*`` folder (never ``out``)."""
+    exception propagates. Only SIGKILL can leave a hidden ``.NAME.tmp-PID-*`` folder (never ``out``); the next
+    run to the same target removes it (:func:`remove_stale_temp_dirs`) and says so."""
 
     def __init__(self, out: str | Path, force: bool = False) -> None:
         self.out = check_output_dir(out, force)
@@ -65,7 +116,11 @@ class AtomicOutputDir:
         for d in reversed(missing):
             d.mkdir()
             self._created_parents.append(d)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        stale = remove_stale_temp_dirs(self.out)
+        if stale:
+            print(f"quantize: removed {len(stale)} temporary folder(s) an interrupted run left next to {self.out}: "
+                  f"{', '.join(d.name for d in stale)}", file=sys.stderr)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-{os.getpid()}-", dir=self.out.parent))
         if threading.current_thread() is threading.main_thread():  # `kill` (SIGTERM) cleans up too
             self._old_sigterm = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
         return self.tmp
@@ -93,7 +148,7 @@ class AtomicOutputDir:
         old: Path | None = None
         if self.out.exists():
             if self.force:
-                old = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.old-", dir=self.out.parent))
+                old = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.old-{os.getpid()}-", dir=self.out.parent))
                 os.rename(self.out, old / "x")
             else:
                 check_output_dir(self.out, force=False)  # appeared meanwhile: raise

@@ -9,102 +9,49 @@ Stop cancels the Gradio event, which closes the generator below, which aborts th
 
 from __future__ import annotations
 
-import json
+import asyncio
+import importlib.util
 import os
-import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import gradio as gr
 
-from lightinfer.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError
-from lightinfer.inputs import fit_context
+from lightinfer.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestFailedError,
+)
+from lightinfer.inputs import EngineRequest, fit_context
+from lightinfer.inputs.text import check_text
 from lightinfer.sampling_params import SamplingParams
+from lightinfer.webui.panels import engine_panel, model_panel
+from lightinfer.webui.replies import (
+    ReplyTracker,
+    content_text,
+    format_json_reply,
+    history_messages,
+    is_note,
+    json_schema_constraint,
+    note,
+    ui_seed,
+)
 
-_STATS_TAG = "lightinfer-stats"  # metadata id of our own notes, which are never sent to the model
-
-
-def content_text(content: Any) -> str:
-    """A history entry's content as text: a string, or Gradio 6's list of blocks (text parts kept)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, dict):
-        return str(content.get("text", "")) if content.get("type", "text") == "text" else ""
-    if isinstance(content, (list, tuple)):
-        return "".join(content_text(part) for part in content)
-    return ""  # files, components: nothing the text model can read
-
-
-def history_messages(history: list[Any]) -> list[dict[str, str]]:
-    """Gradio chat history -> ``[{"role", "content"}]`` without our stats / notice notes."""
-    out = []
-    for msg in history:
-        m = msg if isinstance(msg, dict) else getattr(msg, "__dict__", {})
-        meta = m.get("metadata") or {}
-        if isinstance(meta, dict) and meta.get("id") == _STATS_TAG:
-            continue
-        text = content_text(m.get("content"))
-        if m.get("role") in ("user", "assistant") and text:
-            out.append({"role": m["role"], "content": text})
-    return out
+__all__ = ["build_ui", "content_text", "engine_panel", "format_json_reply", "history_messages", "json_schema_constraint",
+           "model_panel"]
 
 
-def model_panel(info: dict[str, Any]) -> str:
-    """Markdown table of the model: name, quantization, KV cache, memory, context."""
-    q = info.get("quantization")
-    quant = f"{q['method'].upper()} W{q['bits']}A16, group size {q['group_size']}" if q else "none"
-    weights = info.get("weight_bytes") or 0
-    return "\n".join([
-        f"| Model | `{info.get('model')}` |", "|---|---|",
-        f"| Quantization | {quant} |",
-        f"| KV cache | {info.get('kv_cache_dtype')} |",
-        f"| Weights | {weights / 2**20:,.1f} MiB |",
-        (f"| KV pool | {info.get('kv_pool_tokens', 0):,} tokens ({info.get('num_kv_blocks')} blocks of "
-        f"{info.get('block_size')}) |"),
-        f"| Max context | {info.get('max_model_len'):,} tokens |",
-        f"| Device | {info.get('device')} · {info.get('dtype')} |",
-    ])
-
-
-def engine_panel(engine: AsyncLLMEngine) -> str:
-    """One line of live engine stats."""
-    s = engine.get_stats()
-    return (f"running **{s.num_running}** · waiting **{s.num_waiting}** · batch **{s.last_batch_size}** "
-            f"(max {s.max_batch_size}) · KV used **{100 * s.kv_cache_usage:.0f}%** "
-            f"({s.num_free_blocks}/{s.num_total_blocks} blocks free) · preemptions {s.num_preemptions}")
-
-
-def json_schema_constraint(text: str | None) -> dict[str, Any] | None:
-    """The sampling panel's "JSON schema" box as ``structured_outputs`` (None when blank).
-
-    Raises:
-        ValueError: the box holds no JSON, or a schema constrained decoding cannot take (the message says which).
-    """
-    if not text or not text.strip():
-        return None
+def check_message(message: Any) -> dict[str, Any]:
+    """The chat box's validator: text that is not Unicode (a lone surrogate, which only a script or a broken
+    client sends) is refused with a message over the box, which keeps the text. Gradio would otherwise echo it
+    into the chat and fail to serialize it, with a traceback in the log and the box left disabled."""
     try:
-        schema = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"the JSON schema box does not hold JSON ({e})") from None
-    from lightinfer.structured import StructuredOutputs
-
-    return {"json": StructuredOutputs(json=schema).json}  # checked now: a bad schema is a note, not a failure
-
-
-def format_json_reply(text: str) -> str:
-    """A reply constrained by a JSON schema, pretty-printed in a ``json`` code block (as it is when it does
-    not parse, e.g. cut off by the token limit)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return text
-    return "```json\n" + json.dumps(value, indent=2, ensure_ascii=False) + "\n```"
-
-
-def _note(text: str) -> gr.ChatMessage:
-    return gr.ChatMessage(role="assistant", content="", metadata={"title": text, "id": _STATS_TAG, "status": "done"})
+        check_text(content_text(message), "the message")
+    except ValueError as exc:
+        return gr.validate(False, str(exc))
+    return gr.validate(True, "")
 
 
 def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinfer") -> gr.Blocks:
@@ -116,54 +63,76 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
     """
     # Gradio summarises its queue analytics with pandas after every event by default: every 100 is plenty.
     os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", "100")
-    inputs = engine.input_processor.copy()  # its own tokenizer: the engine thread owns the engine's copy
+    # Gradio asks matplotlib (when installed) for its backend around every event; the first ask imports it, and
+    # unless MPLBACKEND names one also pyplot, on the event loop: 1.6 s during which no stream gets a token. A
+    # server has no display: "agg", and the import happens here, at start-up.
+    os.environ.setdefault("MPLBACKEND", "agg")
+    if importlib.util.find_spec("matplotlib") is not None:
+        import matplotlib  # noqa: F401
+    # Templating and tokenizing run on one worker thread with its own tokenizer (the engine thread owns the
+    # engine's copy), never on the event loop that streams every tab's and API client's tokens.
+    inputs = engine.input_processor.copy()
+    prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightinfer-ui-inputs")
     info = engine.model_info()
     max_model_len = int(info["max_model_len"])
+    replies = ReplyTracker()
+
+    def prepare(system: str, turns: list[dict[str, str]], max_new_tokens: int,
+                settings: dict[str, Any]) -> tuple[EngineRequest, int]:
+        prompt, dropped, max_new = fit_context(inputs.tokenizer, system, turns, max_model_len, max_new_tokens)
+        return inputs.process(prompt, SamplingParams(max_tokens=max_new, **settings)), dropped
 
     async def respond(message: str | dict[str, Any], history: list[Any], system: str, temperature: float,
                       top_p: float, top_k: float, max_new_tokens: float, seed: float | None,
-                      json_schema: str = "") -> AsyncIterator[str | list[gr.ChatMessage]]:
+                      json_schema: str = "", request: gr.Request = None) -> AsyncIterator[str | list[gr.ChatMessage]]:
         turns = history_messages(history) + [{"role": "user", "content": content_text(message)}]
         try:
-            prompt, dropped, max_new = fit_context(inputs.tokenizer, system or "", turns, max_model_len,
-                                                   int(max_new_tokens))
-            params = SamplingParams(temperature=float(temperature), top_p=float(top_p),
-                                    top_k=int(top_k) if top_k and int(top_k) > 0 else -1, max_tokens=max_new,
-                                    seed=int(seed) if seed is not None and seed >= 0 else None,
-                                    structured_outputs=json_schema_constraint(json_schema))
-            request = inputs.process(prompt, params)
+            # Costs nothing, on the loop: a message far beyond the context never reaches the tokenizer.
+            inputs.check_text_size(len(system or "") + len(turns[-1]["content"]), "message")
+            settings = {"temperature": float(temperature), "top_p": float(top_p),
+                        "top_k": int(top_k) if top_k and int(top_k) > 0 else -1, "seed": ui_seed(seed),
+                        "structured_outputs": json_schema_constraint(json_schema)}
+            request_, dropped = await asyncio.get_running_loop().run_in_executor(
+                prep, prepare, system or "", turns, int(max_new_tokens), settings)
         except ValueError as exc:
-            yield [_note(f"⚠️ {exc}")]
+            yield [note(f"⚠️ {exc}")]
             return
         notes = []
         if dropped:
             notice = f"⚠️ the conversation is longer than the context: the {dropped} oldest messages were left out"
             gr.Warning(notice)
-            notes.append(_note(notice))
+            notes.append(note(notice))
         request_id = engine.new_request_id("ui")
-        start, first, text, num_tokens = time.monotonic(), None, "", 0
+        progress = replies.start(getattr(request, "session_hash", None))
+        text, finished = "", False
         try:
-            async for out in engine.generate(request, request_id=request_id):
+            async for out in engine.generate(request_, request_id=request_id):
                 comp = out.outputs[0]
-                num_tokens = len(comp.token_ids)
-                if first is None and num_tokens:
-                    first = time.monotonic()
+                progress.update(len(comp.token_ids))
+                finished = out.finished
                 if comp.text != text:
                     text = comp.text
                     yield notes + [gr.ChatMessage(role="assistant", content=text)] if notes else text
-        except EngineOverloadedError as exc:
+        except (EngineOverloadedError, RequestFailedError) as exc:
             raise gr.Error(str(exc)) from exc
         except EngineDeadError as exc:
             raise gr.Error(f"the engine is not running: {exc}") from exc
+        except ValueError as exc:  # refused by the engine (e.g. a setting it cannot honour): a note, no traceback
+            yield notes + [note(f"⚠️ {exc}")]
+            return
         finally:  # Stop / tab closed: Gradio closes this generator; free the engine's blocks now
+            replies.end(progress, stopped=not finished)
             engine.abort(request_id)
-        elapsed = time.monotonic() - (first or start)
-        rate = (num_tokens - 1) / elapsed if first is not None and num_tokens > 1 and elapsed > 0 else 0.0
-        ttft = f"{first - start:.2f} s" if first is not None else "–"
-        stats = f"{num_tokens} tokens · {rate:.1f} tokens/s · time to first token {ttft}"
-        if params.structured_outputs is not None:
+        if json_schema and json_schema.strip():
             text = format_json_reply(text)
-        yield notes + [gr.ChatMessage(role="assistant", content=text), _note(stats)]
+        yield notes + [gr.ChatMessage(role="assistant", content=text), note(progress.stats())]
+
+    async def mark_stopped(history: list[Any], request: gr.Request = None) -> Any:
+        """Stop's handler: the stopped reply keeps its text and gets its numbers and a "stopped" mark."""
+        stats = await replies.stopped_stats(getattr(request, "session_hash", None))
+        if stats is None or not history or is_note(history[-1]):
+            return gr.skip()
+        return [*history, note(f"stopped · {stats}")]
 
     with gr.Blocks(title=title, analytics_enabled=False, fill_height=True) as demo, gr.Row():
         with gr.Column(scale=4):
@@ -178,13 +147,15 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
                 gr.Code(value="", language="json", label="JSON schema (the reply must match it; empty = free text)",
                         lines=4, render=False),
             ]
-            gr.ChatInterface(
+            chat = gr.ChatInterface(
                 respond, chatbot=gr.Chatbot(label="Chat", height=480, render=False),
                 additional_inputs=[system, *sampling],
                 additional_inputs_accordion=gr.Accordion("Sampling", open=False, render=False),
                 concurrency_limit=None, autofocus=True, fill_height=False,
-                title=None, analytics_enabled=False, api_name="chat",
+                title=None, analytics_enabled=False, api_name="chat", validator=check_message,
             )
+            chat.textbox.stop(mark_stopped, [chat.chatbot], [chat.chatbot], queue=False,
+                              api_visibility="undocumented")
         with gr.Column(scale=1, min_width=260):
             gr.Markdown("### Model")
             gr.Markdown(model_panel(info))

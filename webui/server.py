@@ -2,16 +2,67 @@
 
 The UI sits above the API in the import order, so the composition lives here, on the UI's side:
 ``lightinfer.entrypoints`` never imports the UI.
+
+Who may use what (the README's "Security" section says the same):
+
+* ``api_key`` guards everything but ``/health``. The API routes (``/v1``, ``/metrics``, ``/stats``) take
+  it as ``Authorization: Bearer``; the chat UI, whose page and routes (``/gradio_api/...``, the ones
+  that generate included) a browser cannot send a header to, asks for it on its login page instead
+  (any user name, the key as password) unless ``ui_auth`` gives it a user and password of its own.
+  So the UI is never more open than the API.
+* Without ``api_key`` and ``ui_auth`` everything is open to whoever reaches the port (127.0.0.1, this
+  machine, by default).
+* Uploads are off: the chat UI takes text only, so Gradio's upload route answers 403 and no client can
+  write files on the server.
 """
 
 from __future__ import annotations
 
+import re
+import secrets
+from collections.abc import Callable
+
 import gradio as gr
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lightinfer.engine.async_engine import AsyncLLMEngine
 from lightinfer.entrypoints.server import DEFAULT_MAX_REQUEST_BYTES, build_api_app
 from lightinfer.webui.app import build_ui
+
+API_KEY_LOGIN_MESSAGE = "This server is protected by an API key: log in with any user name and the API key as password."
+_UPLOAD_ROUTE = re.compile(r"(/gradio_api)?/upload(_progress)?/?")
+
+
+class RefuseUploads:
+    """ASGI middleware answering 403 to Gradio's upload routes (nothing in the chat UI uploads files)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _UPLOAD_ROUTE.fullmatch(scope.get("path", "")):
+            body = {"error": {"message": "uploads are off: the chat UI takes text only", "type": "invalid_request_error",
+                              "param": None, "code": "uploads_disabled"}}
+            await JSONResponse(body, status_code=403)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def ui_login(api_key: str | None, ui_auth: tuple[str, str] | None) -> tuple[Callable | tuple[str, str] | None, str | None]:
+    """Gradio's ``auth`` and ``auth_message`` for the UI: ``ui_auth`` when given, else the API key as the
+    password (any user name) when there is one, else no login."""
+    if ui_auth is not None:
+        return ui_auth, None
+    if api_key is None:
+        return None, None
+    key = api_key.encode("utf-8", "surrogatepass")
+
+    def check(_user: str, password: str) -> bool:
+        return secrets.compare_digest(str(password).encode("utf-8", "surrogatepass"), key)
+
+    return check, API_KEY_LOGIN_MESSAGE
 
 
 def build_app(
@@ -29,7 +80,8 @@ def build_app(
     Args:
         engine: the shared async engine (not yet started is fine).
         served_model_name: the ``model`` name the API answers to; default ``model_info()["model"]``.
-        api_key: when set, ``/v1`` needs ``Authorization: Bearer <api_key>`` (else 401).
+        api_key: when set, the API needs ``Authorization: Bearer <api_key>`` (else 401) and, without
+            ``ui_auth``, the UI's login takes it as the password (module docstring).
         ui_auth: ``(user, password)`` for the Gradio UI's login page.
         max_request_bytes: larger request bodies get 413.
         ui_max_queue: Gradio's queue bound (default ``max_waiting``).
@@ -40,6 +92,8 @@ def build_app(
     app = build_api_app(engine, served_model_name=served_model_name, api_key=api_key,
                         max_request_bytes=max_request_bytes, tool_call_parser=tool_call_parser)
     blocks = build_ui(engine, max_queue=ui_max_queue or engine.max_waiting)
-    gr.mount_gradio_app(app, blocks, path="/", auth=ui_auth, ssr_mode=False, footer_links=["api"],
-                        run_history=False, show_error=True)
+    auth, auth_message = ui_login(api_key, ui_auth)
+    gr.mount_gradio_app(app, blocks, path="/", auth=auth, auth_message=auth_message, ssr_mode=False,
+                        footer_links=["api"], run_history=False, show_error=True)
+    app.add_middleware(RefuseUploads)
     return app

@@ -1,6 +1,6 @@
-"""The ``lightinfer`` command: generate, quantize, eval-ppl, serve and demo.
+"""The ``lightinfer`` command: generate, chat, quantize, eval-ppl, serve and demo.
 
-Each subcommand lives in its own module (``generate``, ``quantize``, ``serve``) with a
+Each subcommand lives in its own module (``generate``, ``chat``, ``quantize``, ``serve``) with a
 ``register(subparsers)`` that sets ``func(args) -> exit code``; :func:`main` turns bad input into
 one ``error:`` line and exit code 2.
 """
@@ -14,7 +14,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
-    from lightinfer.cli import generate, quantize, serve
+    from lightinfer.cli import chat, generate, quantize, serve
     from lightinfer.cli.common import HelpFormatter
 
     parser = argparse.ArgumentParser(
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate.register(sub)
+    chat.register(sub)
     quantize.register(sub)  # quantize, eval-ppl
     serve.register(sub)  # serve, demo
     return parser

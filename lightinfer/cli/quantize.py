@@ -58,7 +58,7 @@ def run_eval_ppl(args: argparse.Namespace) -> int:
 
             read_text_file(args.text)  # fail before the model loads
         res = perplexity(args.model, text_path=args.text, kv_cache_dtype=args.kv_cache_dtype,
-                         max_tokens=args.max_tokens, window=args.window, **options)
+                         max_tokens=args.max_tokens, window=args.window, progress=not args.quiet, **options)
     except (ValueError, FileNotFoundError) as e:
         return _fail("eval-ppl", e)
     print(res.format())
@@ -108,7 +108,10 @@ def register(subparsers: Any) -> None:
                    help="KV cache storage: auto (the model's dtype) or int8")
     e.add_argument("--max-tokens", type=_int_arg, default=None,
                    help="score at most N tokens of the text (default: all of it)")
-    e.add_argument("--window", type=_int_arg, default=1024, help="tokens per window")
+    e.add_argument("--window", type=_int_arg, default=None,
+                   help="tokens per window (default: 2048, the windows the README's table reports, or the model's "
+                        "context if shorter)")
     e.add_argument("--device", default=None, help="auto, cpu or cuda (default: auto)")
     e.add_argument("--dtype", default=None, help="auto, float32, float16 or bfloat16 (default: auto)")
+    e.add_argument("--quiet", action="store_true", help="no progress bar")
     e.set_defaults(func=run_eval_ppl)

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from lightinfer.cli.common import add_engine_args, add_parser, engine_kwargs
+from lightinfer.entrypoints.http_limits import HTTPLimits
 
 logger = logging.getLogger("lightinfer.serve")
 
@@ -35,11 +36,14 @@ def _add_server_args(p: argparse.ArgumentParser, kv_default: str) -> None:
     p.add_argument("--port", type=int, default=7860, help="TCP port")
     add_engine_args(p, kv_cache_dtype=kv_default)
     p.add_argument("--max-waiting", type=int, default=256,
-                   help="queued requests beyond which new ones get HTTP 503")
+                   help="requests queued to run beyond the --max-num-seqs running ones; past it new requests get "
+                        "HTTP 503")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $LIGHTINFER_API_KEY, else none)")
+                   help="guard everything but /health: /v1, /metrics and /stats need 'Authorization: Bearer KEY', "
+                        "and the chat UI asks for the key on its login page (any user name) unless --ui-auth sets "
+                        "its own login (default: $LIGHTINFER_API_KEY, else none: open to whoever reaches the port)")
     p.add_argument("--ui-auth", default=None, metavar="USER:PASS",
-                   help="password-protect the chat UI (default: no login)")
+                   help="the chat UI's own login (default: the API key's login with --api-key, else no login)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name the API answers to (default: the model's folder or file name)")
     p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="larger request bodies get HTTP 413 (default: 4194304, 4 MiB)")
@@ -48,6 +52,15 @@ def _add_server_args(p: argparse.ArgumentParser, kv_default: str) -> None:
                    help="how tool calls are written and read: hermes (Qwen, Hermes), llama3_json (Llama 3.1+), "
                         "mistral, or an alias (qwen, llama3, ...) (default: detected from the chat template; "
                         "hermes for templates without tool support)")
+    p.add_argument("--timeout-keep-alive", type=float, default=HTTPLimits.timeout_keep_alive, metavar="SECONDS",
+                   help="close a connection idle this long between requests")
+    p.add_argument("--timeout-header", type=float, default=HTTPLimits.timeout_header, metavar="SECONDS",
+                   help="close a connection that has not sent a request's complete headers this long after "
+                        "connecting (idle and slowly sent connections)")
+    p.add_argument("--timeout-body", type=float, default=HTTPLimits.timeout_body, metavar="SECONDS",
+                   help="drop a request whose body makes no progress for this long")
+    p.add_argument("--limit-concurrency", type=int, default=HTTPLimits.limit_concurrency, metavar="N",
+                   help="most connections and requests at once; beyond it, HTTP 503")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="debug also logs prompts (never at info)")
 
@@ -55,7 +68,12 @@ def _add_server_args(p: argparse.ArgumentParser, kv_default: str) -> None:
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``serve`` and ``demo`` sub-commands; each sets ``func(args) -> int``."""
     serve = add_parser(subparsers, "serve", "serve MODEL: chat UI at /, OpenAI API at /v1",
-                       "One engine loop serving a Gradio chat UI, an OpenAI-compatible API, /health and /metrics.")
+                       "One engine loop serving a Gradio chat UI, an OpenAI-compatible API, /health, /metrics "
+                       "(Prometheus) and /stats (the engine's counters as JSON). Access: --api-key guards "
+                       "everything but /health (the chat UI asks for the key on its login page unless --ui-auth "
+                       "gives it a login of its own); without it everything is open to whoever reaches --host "
+                       "(127.0.0.1: this machine only). Uploads are off. The start-up banner says what is open "
+                       "to whom.")
     serve.add_argument("model", help="Hugging Face folder, .gguf file or smollm2-135m-instruct")
     _add_server_args(serve, kv_default="auto")
     serve.set_defaults(func=run_serve)
@@ -82,13 +100,10 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ui_auth = _parse_ui_auth(args.ui_auth)
     args.api_key = args.api_key or os.environ.get("LIGHTINFER_API_KEY") or None
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        if not args.api_key:
-            logger.warning("binding %s without --api-key: anyone who can reach this port can use the API at /v1",
-                           args.host)
-        if not ui_auth and not args.no_ui:
-            logger.warning("binding %s without --ui-auth USER:PASS: the chat UI is open to anyone who can reach "
-                           "this port", args.host)
+    limits = HTTPLimits(args.timeout_keep_alive, args.timeout_header, args.timeout_body, args.limit_concurrency)
+    if args.host not in LOOPBACK and not args.api_key and (ui_auth is None or args.no_ui):
+        logger.warning("binding %s without --api-key: anyone who can reach this port can use the API%s", args.host,
+                       "" if args.no_ui or ui_auth else " and the chat UI")
     check_port_free(args.host, args.port)
     if args.tool_call_parser:  # an unknown name fails now, not after the model has loaded
         from lightinfer.structured.tool_formats import get_tool_call_format
@@ -115,12 +130,34 @@ def run_serve(args: argparse.Namespace) -> int:
 
         app = build_app(engine, ui_auth=ui_auth, **options)
     shown = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"\nlightinfer is serving {engine.model_info()['model']}\n"
-          f"  chat UI:     http://{shown}:{args.port}/\n"
-          f"  OpenAI API:  http://{shown}:{args.port}/v1   (metrics: /metrics, health: /health)\n"
-          "  Ctrl-C stops it.\n", flush=True)
-    run_server(app, args.host, args.port, log_level=args.log_level)
+    ui_line = "" if args.no_ui else f"  chat UI:     http://{shown}:{args.port}/\n"
+    print(f"\nlightinfer is serving {engine.model_info()['model']}\n{ui_line}"
+          f"  OpenAI API:  http://{shown}:{args.port}/v1   (metrics: /metrics, stats: /stats, health: /health)\n"
+          + access_summary(args.host, args.api_key is not None, ui_auth, args.no_ui)
+          + "\n  Ctrl-C stops it.\n", flush=True)
+    run_server(app, args.host, args.port, log_level=args.log_level, limits=limits)
     return 0
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def access_summary(host: str, has_api_key: bool, ui_auth: tuple[str, str] | None, no_ui: bool) -> str:
+    """What is open to whom, as the start-up banner says it (the rule: ``webui/server.py``)."""
+    who = "this machine only" if host in LOOPBACK else f"anyone who can reach {host}"
+    api = "Bearer API key required" if has_api_key else "open, no key"
+    if no_ui:
+        ui = "not served (--no-ui)"
+    elif ui_auth is not None:
+        ui = f"login as {ui_auth[0]!r} (--ui-auth)"
+    elif has_api_key:
+        ui = "login with the API key as password"
+    else:
+        ui = "open, no login"
+    return (f"  access ({who}):\n"
+            f"    /v1, /metrics, /stats: {api}\n"
+            f"    chat UI:               {ui}\n"
+            f"    /health:               open;  uploads: off")
 
 
 def check_port_free(host: str, port: int) -> None:

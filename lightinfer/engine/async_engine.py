@@ -114,8 +114,11 @@ class AsyncLLMEngine:
     Args:
         engine: an ``LLMEngine`` (or anything with the same interface); from now on only the
             background thread may call it.
-        max_waiting: most requests queued (submitted, not yet running) before new ones are
-            refused with :class:`EngineOverloadedError`; None = ``engine.config.max_waiting``.
+        max_waiting: most requests queued to run beyond the ``max_num_seqs`` that run at once; past it
+            new ones are refused with :class:`EngineOverloadedError`; None = ``engine.config.max_waiting``.
+            So ``max_waiting + max_num_seqs`` requests are admitted at once: those still being handed to
+            the engine count as the engine's waiting ones do, the first ``max_num_seqs`` of them as
+            running (the next step schedules them), not as queued.
     """
 
     def __init__(self, engine: Any, max_waiting: int | None = None) -> None:
@@ -125,6 +128,7 @@ class AsyncLLMEngine:
         # so the engine thread never tokenizes.
         self.input_processor = engine.input_processor
         self.max_waiting = max_waiting if max_waiting is not None else engine.config.max_waiting
+        self.max_num_seqs = int(getattr(engine.config, "max_num_seqs", 1))
         self._model_info = engine.model_info()
         self._stats = engine.get_stats()
         self._commands: queue.Queue[tuple[Any, ...]] = queue.Queue()
@@ -197,7 +201,9 @@ class AsyncLLMEngine:
         if not self.is_running:
             raise EngineDeadError(self._dead or "the engine loop is not running")
         with self._pending_lock:
-            if self._num_pending + self._stats.num_waiting >= self.max_waiting:
+            s = self._stats
+            in_flight = self._num_pending + s.num_waiting + s.num_running  # all but this one
+            if in_flight >= self.max_waiting + self.max_num_seqs:
                 for obs in self._observers:
                     obs.on_rejected()
                 raise EngineOverloadedError(
@@ -270,20 +276,24 @@ class AsyncLLMEngine:
             cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
         except queue.Empty:
             return
+        handed = 0
         while True:
+            handed += cmd[0] == "add"
             self._handle(cmd)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 break
         self._stats = self.engine.get_stats()
+        # Only now, with the stats counting them as the engine's, do the handed requests stop counting as
+        # pending: in between, admission control would see them nowhere and let too many in.
+        with self._pending_lock:
+            self._num_pending -= handed
 
     def _handle(self, cmd: tuple[Any, ...]) -> None:
         kind = cmd[0]
         if kind == "add":
             _, request_id, prompt, params, stream, accepted = cmd
-            with self._pending_lock:
-                self._num_pending -= 1
             if not accepted.set_running_or_notify_cancel():  # the client gave up while queued
                 return
             try:

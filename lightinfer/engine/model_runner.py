@@ -17,7 +17,6 @@ from lightinfer.engine.memory import (
     check_weights_fit,
     describe_kv_groups,
     graph_reserve_bytes,
-    module_bytes,
     plan_kv_pool,
     split_kv_pool,
 )
@@ -29,7 +28,7 @@ from lightinfer.layers.attention import Attention, AttentionMetadata, KVGroupTab
 from lightinfer.layers.embed_head import VocabEmbedding
 from lightinfer.layers.fusion import fuse_model
 from lightinfer.layers.linear import W4A16Linear, W8A16Linear
-from lightinfer.layers.moe import FusedMoE, experts_in_host_memory
+from lightinfer.layers.moe import experts_in_host_memory
 from lightinfer.loader import Checkpoint, load_weights
 from lightinfer.models.registry import get_model_class
 
@@ -99,6 +98,10 @@ class ModelRunner:
         # Weights kept in host memory while the model runs on a GPU (the input embedding).
         self.host_weight_bytes = sum(t.numel() * t.element_size() for t, d in zip(storages.values(), on_device)
                                      if not d)
+        # On a CPU every quantized linear also keeps its weight dequantized for the fp32 GEMM (pack_for_cpu).
+        self.cpu_dense_bytes = 0 if self.device.type != "cpu" else sum(
+            m.in_features * m.out_features * torch.empty(0, dtype=self.dtype).element_size()
+            for m in self.model.modules() if isinstance(m, (W4A16Linear, W8A16Linear)))
         if self.device.type == "cpu":
             self.model.pack_for_cpu()  # after weight_bytes: packed tensors are opaque, same size
         else:
@@ -115,19 +118,11 @@ class ModelRunner:
             self.graph_runner = self._capture_graphs()
 
     def _cpu_memory_parts(self, model_cls: type, checkpoint: Checkpoint) -> dict[str, int]:
-        """Host bytes a CPU engine will hold, by part, from the model built on the meta device."""
-        with torch.device("meta"):
-            skeleton = model_cls(checkpoint.hf_config, checkpoint.quant_config, self.dtype)
-        weights = module_bytes(skeleton)
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        # On a CPU every 4-bit layer also keeps its weight dequantized once (W4A16Linear.pack_for_cpu). MoE experts
-        # keep a CPU copy too (kernels/moe_cpu.py): fp32 engines a prepacked fp32 one, 16-bit engines a 4-bit one
-        # for torch's int4 GEMM (dense 16-bit experts none).
-        dense = sum(m.in_features * m.out_features * elem for m in skeleton.modules()
-                    if isinstance(m, (W4A16Linear, W8A16Linear)))
-        dense += int(sum((2 if stack == "w13" else 1) * m.num_experts * m.hidden_size * m.intermediate_size
-                         * (4 if elem == 4 else 0.5 if m.is_quantized(stack) else 0)
-                         for m in skeleton.modules() if isinstance(m, FusedMoE) for stack in m.STACKS))
+        """Host bytes a CPU engine will hold, by part, by arithmetic on the config (``estimate_weight_bytes``:
+        nothing is built, so a corrupt config with a million layers is refused at once)."""
+        # On a CPU every 4-bit layer also keeps its weight dequantized once (W4A16Linear.pack_for_cpu), MoE
+        # experts a CPU copy (kernels/moe_cpu.py).
+        weights, dense = model_cls.estimate_weight_bytes(checkpoint.hf_config, checkpoint.quant_config, self.dtype)
         kv = self.config.kv_cache_memory_bytes or (0 if self.config.num_kv_blocks else CPU_DEFAULT_KV_CACHE_BYTES)
         dtype = str(self.dtype).replace("torch.", "")
         return {f"weights ({dtype})": weights, "4-bit layers dequantized and MoE experts prepacked for the CPU": dense,

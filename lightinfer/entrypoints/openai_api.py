@@ -51,6 +51,19 @@ async def run_until_disconnect(request: Request, work: Any, request_ids: list[st
         watcher.cancel()
 
 
+INVALID_KEY_MESSAGE = "Incorrect API key provided: send 'Authorization: Bearer <key>'"
+
+
+def has_api_key(request: Request, api_key: str | None) -> bool:
+    """Whether ``request`` carries ``Authorization: Bearer <api_key>`` (always True when ``api_key`` is None);
+    compared in constant time."""
+    if api_key is None:
+        return True
+    given = request.headers.get("authorization", "")
+    return secrets.compare_digest(given.encode("utf-8", "surrogatepass"),
+                                  f"Bearer {api_key}".encode("utf-8", "surrogatepass"))
+
+
 def _register_routes(app: FastAPI, serving: OpenAIServing) -> None:
     engine = serving.engine
 
@@ -103,12 +116,8 @@ def create_openai_app(engine: AsyncLLMEngine, served_model_name: str, api_key: s
     """
 
     async def verify_key(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise OpenAIError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>'",
-                              code="invalid_api_key")
+        if not has_api_key(request, api_key):
+            raise OpenAIError(401, INVALID_KEY_MESSAGE, code="invalid_api_key")
 
     serving = OpenAIServing(engine, served_model_name, tool_call_parser)
     app = FastAPI(title="lightinfer OpenAI-compatible API", dependencies=[Depends(verify_key)],

@@ -22,6 +22,9 @@ class OpenAIError(Exception):
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None) -> None:
+        # A message may echo what the client sent; a lone surrogate in it (valid JSON, not Unicode) would make
+        # the response itself fail to encode, a 500 instead of this error: such characters are escaped.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.body = status, P.ErrorResponse(error=P.ErrorInfo(
             message=message, type=type_, param=param, code=code))

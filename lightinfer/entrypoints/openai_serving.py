@@ -2,7 +2,9 @@
 
 Prompts are prepared (chat template, tokenizing, checks: :mod:`lightinfer.inputs`) on one worker
 thread with its own copy of the tokenizer, so a big request never blocks the event loop that
-streams everyone's tokens; the event loop keeps another copy for turning sampled ids into
+streams everyone's tokens; a text far beyond the context is refused on the loop before that, by its
+length in characters (``InputProcessor.check_text_size``), so it never queues behind or holds the
+tokenizer; the event loop keeps another copy for turning sampled ids into
 token strings. HF fast tokenizers are not safe to share between threads, hence the two copies.
 Structured-output constraints and tool grammars are compiled on that thread too (into the engine's
 shared grammar cache), so the engine thread only copies a compiled matcher.
@@ -22,6 +24,7 @@ from lightinfer.entrypoints import protocol as P
 from lightinfer.entrypoints.openai_errors import OpenAIError, as_openai_error
 from lightinfer.entrypoints.openai_structured import structured_error, structured_outputs_of
 from lightinfer.inputs import EngineRequest, InputError
+from lightinfer.inputs.text import check_text
 from lightinfer.inputs.tools import ToolCalling
 from lightinfer.outputs import CompletionOutput
 from lightinfer.sampling_params import SamplingParams
@@ -60,7 +63,11 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ request -> engine
     def check_model(self, model: str) -> None:
-        """Raise 404 unless ``model`` is the served model."""
+        """Raise 404 unless ``model`` is the served model (400 when it is not even Unicode text)."""
+        try:
+            check_text(model, "model")
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), param="model") from None
         if model != self.model_name:
             raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
                                    f"`{self.model_name}`", param="model", code="model_not_found")
@@ -112,14 +119,19 @@ class OpenAIServing:
 
     async def prepare_chat(self, req: P.ChatCompletionRequest,
                            top: int | None) -> tuple[EngineRequest, ToolCalling | None]:
-        """The chat's engine request (template, tokens, settings, constraint), prepared off the event loop,
-        and how to read tool calls from the reply (None without tools).
+        """The chat's engine request (template, tokens, settings, constraint), prepared off the event loop after
+        a check that costs nothing (a conversation far beyond the context never reaches the tokenizer), and how
+        to read tool calls from the reply (None without tools).
 
         Raises:
             OpenAIError: 400 naming the field (a template that refuses the messages, a prompt longer than
                 the context, a bad setting, schema, regex, grammar, tool or tool_choice, a tool message
                 answering no earlier call).
         """
+        try:
+            self.inputs.check_text_size(sum(len(m.text()) for m in req.messages), "messages")
+        except ValueError as exc:
+            raise as_openai_error(exc) from exc
         return await self._off_loop(self._chat_request, req, top)
 
     def _completion_requests(self, req: P.CompletionRequest) -> tuple[list[EngineRequest], list[str]]:
@@ -145,6 +157,13 @@ class OpenAIServing:
         Raises:
             OpenAIError: 400 naming the field.
         """
+        p = req.prompt
+        try:  # costs nothing: a text far beyond the context never reaches the tokenizer
+            for item in [p] if isinstance(p, str) else p if isinstance(p, list) else []:
+                if isinstance(item, str):
+                    self.inputs.check_text_size(len(item), "prompt")
+        except ValueError as exc:
+            raise as_openai_error(exc) from exc
         return await self._off_loop(self._completion_requests, req)
 
     def _process(self, prompt: Any, params: SamplingParams, structured_field: str | None = None) -> EngineRequest:

@@ -2,8 +2,13 @@
 
 Everything shares one ``AsyncLLMEngine`` (one engine loop, one continuous batch). The chat UI is
 mounted at ``/`` by the layer above (``lightinfer.webui.server.build_app``), so the API never
-depends on the UI. Security defaults: bind 127.0.0.1; ``api_key`` guards ``/v1`` (Bearer);
-request bodies are capped; prompts and replies are logged only at DEBUG level.
+depends on the UI. Security defaults: bind 127.0.0.1; ``api_key`` guards every route but ``/health``
+(``/v1``, ``/metrics``, ``/stats``: Bearer; the UI: its login, see ``webui/server.py``); request bodies
+are capped; prompts and replies are logged only at DEBUG level.
+
+``/stats`` is the engine's counters as JSON (running / waiting requests, KV blocks free and in use,
+preemptions, prefix-cache hits, batch sizes, token totals): what the UI's engine panel shows, for
+scripts and tests; ``/metrics`` has the same and the request latencies for Prometheus.
 """
 
 from __future__ import annotations
@@ -14,13 +19,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lightinfer.engine.async_engine import AsyncLLMEngine
+from lightinfer.entrypoints.http_limits import HTTPLimits, uvicorn_config
 from lightinfer.entrypoints.metrics import ServingMetrics
-from lightinfer.entrypoints.openai_api import create_openai_app
+from lightinfer.entrypoints.openai_api import INVALID_KEY_MESSAGE, create_openai_app, has_api_key
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 32k-token chat is ~150 KB of JSON: 4 MiB is generous
@@ -86,7 +92,8 @@ def build_api_app(
     Args:
         engine: the shared async engine (not yet started is fine).
         served_model_name: the ``model`` name the API answers to; default ``model_info()["model"]``.
-        api_key: when set, ``/v1`` needs ``Authorization: Bearer <api_key>`` (else 401).
+        api_key: when set, ``/v1``, ``/metrics`` and ``/stats`` need ``Authorization: Bearer <api_key>``
+            (else 401); ``/health`` stays open.
         max_request_bytes: larger request bodies (to any route, a UI mounted later included) get 413.
         tool_call_parser: the tool-call format (``--tool-call-parser``); None: detected from the chat template.
     Returns:
@@ -114,14 +121,23 @@ def build_api_app(
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable"}, status_code=503)
 
+    def unauthorized() -> JSONResponse:
+        return JSONResponse({"error": {"message": INVALID_KEY_MESSAGE, "type": "invalid_request_error",
+                                       "param": None, "code": "invalid_api_key"}}, status_code=401)
+
     @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
+    async def prometheus_metrics(request: Request) -> Response:
+        """Prometheus metrics (Bearer key when the server has one: Prometheus' ``authorization`` setting)."""
+        if not has_api_key(request, api_key):
+            return unauthorized()
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
     @app.get("/stats")
-    async def stats() -> Response:
-        """The engine's stats snapshot as JSON (for tests and dashboards)."""
+    async def stats(request: Request) -> Response:
+        """The engine's counters as JSON (module docstring); Bearer key when the server has one."""
+        if not has_api_key(request, api_key):
+            return unauthorized()
         return Response(json.dumps(vars(engine.get_stats())), media_type="application/json")
 
     # Routes above and /v1 are matched before a catch-all mount at "/" added later (the chat UI).
@@ -130,8 +146,12 @@ def build_api_app(
     return app
 
 
-def run_server(app: FastAPI, host: str, port: int, log_level: str = "info", **uvicorn_kwargs: Any) -> None:
-    """Serve ``app`` with uvicorn until interrupted (blocking)."""
+def run_server(app: FastAPI, host: str, port: int, log_level: str = "info", limits: HTTPLimits | None = None,
+               **uvicorn_kwargs: Any) -> None:
+    """Serve ``app`` with uvicorn until interrupted (blocking), under the connection ``limits``
+    (:class:`~lightinfer.entrypoints.http_limits.HTTPLimits`: timeouts for idle and half-sent
+    connections, a cap on connections at once)."""
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, **uvicorn_kwargs)
+    config = uvicorn_config(app, host, port, limits, log_level, timeout_graceful_shutdown=5, **uvicorn_kwargs)
+    uvicorn.Server(config).run()

@@ -115,6 +115,12 @@ class _TensorError(ValueError):
 
 
 def _read_header(path: Path) -> GGUFReader:
+    from lightinfer.formats.gguf_bounds import check_gguf_header, gguf_config_fields
+    from lightinfer.models.registry import validate_model_config
+
+    # Counts and lengths bounded by the file, and the model's sizes checked, before any reader allocates.
+    config, field_names = gguf_config_fields(check_gguf_header(path))
+    validate_model_config(config, str(path), field_names)
     try:
         return _CheckedReader(path)
     except _TensorError as e:
@@ -159,17 +165,22 @@ class GGUFFile:
         moe_sizes = {key: reader.get_field(f"{self.architecture}.{key}") for key in _MOE_CONFIG_FIELDS}
         moe_sizes = {key: int(f.contents()) for key, f in moe_sizes.items() if f is not None}
         del reader  # drops its memory map
-        try:
-            self.config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name)
-        except (ValueError, KeyError, OSError, NotImplementedError) as e:
-            raise ValueError(f"{self.path}: transformers cannot read its config ({e})") from e
+        try:  # trust_remote_code=False: transformers never asks on stdin (lightinfer runs no checkpoint code)
+            self.config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name,
+                                                     trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001 -- corrupt metadata raises many types (OverflowError, KeyError...)
+            raise ValueError(f"{self.path}: transformers cannot read its config from the metadata "
+                             f"({type(e).__name__}: {' '.join(str(e).split())[:300]}); re-download the file") from None
         apply_rope_overrides(self.config, rope)
         for key, value in moe_sizes.items():  # transformers' GGUF config reader leaves these at their defaults
             if hasattr(self.config, _MOE_CONFIG_FIELDS[key]):
                 setattr(self.config, _MOE_CONFIG_FIELDS[key], value)
+        from lightinfer.models.registry import validate_model_config
+
+        validate_model_config(self.config, f"{self.path} (metadata read as a transformers config)")
         self._processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=self.config.to_dict())
         with torch.device("meta"):  # only for names: a meta model allocates nothing
-            skeleton = AutoModelForCausalLM.from_config(self.config)
+            skeleton = AutoModelForCausalLM.from_config(self.config, trust_remote_code=False)
         with _cached_gguf_name_map():
             name_map = get_gguf_hf_weights_map(skeleton, self._processor)
         self.tensors: dict[str, GGUFTensor] = {}

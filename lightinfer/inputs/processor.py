@@ -14,7 +14,7 @@ from typing import Any
 
 from lightinfer.inputs.chat import Message, render_chat
 from lightinfer.inputs.data import EngineRequest, InputError, PromptType, TokenizedPrompt
-from lightinfer.inputs.text import check_text
+from lightinfer.inputs.text import check_text, longest_token_chars
 from lightinfer.inputs.tools import ToolCalling, reasoning_mode
 from lightinfer.sampling_params import SamplingParams
 from lightinfer.structured.backend import GrammarBackend
@@ -39,6 +39,8 @@ class InputProcessor:
         ValueError: an unknown ``tool_call_parser``.
     """
 
+    _UNKNOWN = -1  # max_token_chars not computed yet
+
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int,
                  grammar_backend: Callable[[], GrammarBackend] | None = None,
                  tool_call_parser: str | None = None) -> None:
@@ -50,12 +52,48 @@ class InputProcessor:
         template = getattr(tokenizer, "chat_template", None)
         self.tool_call_format: ToolCallFormat = detect_tool_call_format(
             template if isinstance(template, str) else None, tool_call_parser)
+        self._max_token_chars: int | None = self._UNKNOWN
 
     def copy(self, tool_call_parser: str | None = None) -> InputProcessor:
         """A processor with its own copy of the tokenizer, for use on another thread (sharing the grammar
         backend); ``tool_call_parser`` overrides this one's."""
-        return InputProcessor(copy.deepcopy(self.tokenizer), self.vocab_size, self.max_model_len,
-                              self.grammar_backend, tool_call_parser or self.tool_call_parser)
+        other = InputProcessor(copy.deepcopy(self.tokenizer), self.vocab_size, self.max_model_len,
+                               self.grammar_backend, tool_call_parser or self.tool_call_parser)
+        other._max_token_chars = self.max_token_chars
+        return other
+
+    # ------------------------------------------------------------------ cheap checks (no tokenizing)
+    @property
+    def max_token_chars(self) -> int | None:
+        """The most input characters one token stands for (:func:`lightinfer.inputs.text.longest_token_chars`),
+        computed once; None without a tokenizer or a vocabulary to bound it."""
+        if self._max_token_chars == self._UNKNOWN:
+            self._max_token_chars = None if self.tokenizer is None else longest_token_chars(self.tokenizer)
+        return self._max_token_chars
+
+    def check_text_size(self, num_chars: int, param: str = "prompt") -> None:
+        """Refuse, without tokenizing, a text of ``num_chars`` characters that cannot fit the context whatever
+        its tokenization (it is at least ``num_chars / max_token_chars`` tokens). Costs nothing, so front ends
+        call it on their event loop before handing a request to a tokenizing thread: a 4 MB body is refused
+        at once instead of holding the tokenizer (and the GIL) for seconds.
+
+        Raises:
+            InputError: code ``context_length_exceeded``, naming ``param``.
+        """
+        per_token = self.max_token_chars
+        if per_token is None or num_chars < per_token * self.max_model_len:
+            return
+        raise InputError(f"the {param} has {num_chars:,} characters, which is more than {self.max_model_len:,} "
+                         f"tokens whatever the tokenization (a token stands for at most {per_token} characters) "
+                         f"but this model's maximum context length is {self.max_model_len} tokens; shorten it",
+                         param=param, code="context_length_exceeded")
+
+    def check_messages_size(self, messages: Any, param: str = "messages") -> None:
+        """:meth:`check_text_size` on the total text of chat ``messages`` (the template only adds to it);
+        messages that are not a list of dicts are left to :meth:`render_chat`'s checks."""
+        if isinstance(messages, (list, tuple)):
+            self.check_text_size(sum(_content_chars(m.get("content")) for m in messages if isinstance(m, dict)),
+                                 param)
 
     # ------------------------------------------------------------------ prompts
     def tokenize(self, prompt: PromptType) -> TokenizedPrompt:
@@ -87,6 +125,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty; give at least one character or token id")
+            self.check_text_size(len(prompt))
             check_text(prompt, "the prompt")
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer (skip_tokenizer_init, or dummy weights from a config "
@@ -100,7 +139,9 @@ class InputProcessor:
                     tools: list[dict[str, Any]] | None = None,
                     chat_template_kwargs: dict[str, Any] | None = None) -> TokenizedPrompt:
         """The conversation through the chat template (see :func:`lightinfer.inputs.chat.render_chat`);
-        its length is checked where it is used (:meth:`process`, :meth:`check_context`)."""
+        its length is checked where it is used (:meth:`process`, :meth:`check_context`); a conversation far
+        beyond the context is refused before the template runs (:meth:`check_messages_size`)."""
+        self.check_messages_size(messages)
         return render_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools,
                            chat_template_kwargs=chat_template_kwargs, tool_format=self.tool_call_format)
 
@@ -243,3 +284,12 @@ class InputProcessor:
         self.check_params(params)
         tokenized = self.check_length(self.tokenize(prompt))
         return EngineRequest(tokenized.prompt, tokenized.prompt_token_ids, params)
+
+
+def _content_chars(content: Any) -> int:
+    """Characters of a message's content: a string, or the text of a list of content blocks."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, (list, tuple)):
+        return sum(_content_chars(block.get("text") if isinstance(block, dict) else block) for block in content)
+    return 0

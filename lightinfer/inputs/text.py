@@ -35,3 +35,31 @@ def message_text(content: object) -> str:
     if isinstance(content, dict) and isinstance(content.get("text"), str):
         return content["text"]
     raise ValueError(f"message content must be a string or a list of text blocks, got {type(content).__name__}")
+
+
+# A normalizer may shrink text before it is split into tokens (composing "e" + U+0301 into "é", dropping
+# control characters): the bound of :func:`longest_token_chars` then gets this much slack.
+NORMALIZER_SLACK = 4
+
+
+def longest_token_chars(tokenizer: object) -> int | None:
+    """The most input characters one token can stand for: the longest entry of the vocabulary (added tokens
+    included), times :data:`NORMALIZER_SLACK` when the tokenizer normalizes its input; None when the
+    tokenizer cannot list its vocabulary (then no character bound is used).
+
+    Why it bounds: a byte-level BPE token's vocabulary string has one character per byte it stands for, a
+    SentencePiece piece one per character ("▁" for a space), so a text of ``n`` characters is at least
+    ``n / longest`` tokens. :meth:`lightinfer.inputs.InputProcessor.check_text_size` uses that to refuse a
+    text far beyond the context before tokenizing it.
+    """
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    try:
+        longest = max((len(t) for t in get_vocab()), default=0)
+    except Exception:  # noqa: BLE001 -- a tokenizer that cannot list its vocabulary: no bound
+        return None
+    if longest <= 0:
+        return None
+    normalizer = getattr(getattr(tokenizer, "backend_tokenizer", None), "normalizer", None)
+    return longest * (NORMALIZER_SLACK if normalizer is not None else 1)

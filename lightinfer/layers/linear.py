@@ -236,3 +236,27 @@ def make_linear(
         return W8A16Linear(in_features, out_features, bias, fmt.runtime_group_size(in_features), dtype,
                            symmetric=fmt.symmetric)
     return Linear(in_features, out_features, bias, dtype)
+
+
+def linear_nbytes(
+    in_features: int, out_features: int, bias: bool, dtype: torch.dtype, quant_config: dict | None, prefix: str,
+) -> tuple[int, int]:
+    """Bytes of the layer :func:`make_linear` would build for ``prefix``, by arithmetic (nothing is built).
+
+    Returns:
+        ``(stored, cpu_dense)``: the layer's parameters and buffers; and for a W4/W8 layer the dense copy of
+        its weight that a CPU engine keeps for the fp32 GEMM (``pack_for_cpu``), else 0.
+    """
+    from lightinfer.formats.scheme import linear_format
+
+    elem = torch.empty(0, dtype=dtype).element_size()
+    bias_bytes = out_features * elem if bias else 0
+    fmt = linear_format(quant_config, prefix)
+    if fmt.kind == "dense":
+        return in_features * out_features * elem + bias_bytes, 0
+    groups = in_features // max(fmt.runtime_group_size(in_features), 1)
+    if fmt.kind == "w4":  # int32 codes [N, K/8]; scales and zeros [K/G, N] in the activation dtype
+        stored = out_features * in_features // 2 + 2 * groups * out_features * elem
+    else:  # int8 codes [N, K]; fp32 scales (and zeros unless symmetric) [K/G, N]
+        stored = out_features * in_features + (1 if fmt.symmetric else 2) * groups * out_features * 4
+    return stored + bias_bytes, in_features * out_features * elem

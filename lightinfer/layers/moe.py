@@ -222,3 +222,29 @@ def make_experts(num_experts: int, hidden_size: int, intermediate_size: int, dty
         groups.append(kinds.pop()[1] if len(kinds) == 1 and next(iter(kinds))[0] == "w4" else None)
     return FusedMoE(num_experts, hidden_size, intermediate_size, dtype, groups[0], groups[1], prefix, proj_names,
                     layer_idx)
+
+
+def experts_nbytes(num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                   quant_config: dict | None, prefix: str,
+                   proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> tuple[int, int]:
+    """Bytes of the :class:`FusedMoE` :func:`make_experts` would build, by arithmetic (nothing is built; the
+    format of expert 0 stands for all, as a checkpoint stores them).
+
+    Returns:
+        ``(stored, cpu_copy)``: the stacks' parameters (W4: int4 codes and a scale and zero per group in
+        ``dtype``; dense: ``dtype``), and the CPU copy ``kernels/moe_cpu.py`` prepares of them (fp32 engines a
+        prepacked fp32 one, 16-bit engines a 4-bit one for torch's int4 GEMM, none for dense 16-bit experts).
+    """
+    from lightinfer.formats.scheme import linear_format
+
+    elem = torch.empty(0, dtype=dtype).element_size()
+    e, h, i = num_experts, hidden_size, intermediate_size
+    stored = copy = 0
+    for name, (n, k) in ((proj_names[0], (2 * i, h)), (proj_names[2], (h, i))):
+        fmt = linear_format(quant_config, f"{prefix}.0.{name}")
+        w4 = quant_config is not None and fmt.kind == "w4"
+        groups = k // max(fmt.runtime_group_size(k), 1) if w4 else 0
+        stored += e * (n * k // 2 + 2 * groups * n * elem if w4 else n * k * elem)
+        copy += int(e * n * k * (4 if elem == 4 else 0.5 if w4 else 0))
+    return stored, copy
+

@@ -97,3 +97,22 @@ def test_fit_context_message_too_long_alone_is_a_clear_error() -> None:
     assert dropped == 0 and len(ids) + max_new == 100  # the reply budget shrinks to what fits
 
 
+
+
+def test_a_template_that_trips_the_sandbox_is_one_clear_error(tmp_path, capsys) -> None:
+    """Issue 19 item 7: a chat template reaching for ``__class__`` (Jinja's sandbox raises SecurityError) is
+    refused as the template's fault, in one line, from every front end; no traceback."""
+    from transformers import AutoTokenizer
+
+    from lightinfer.cli import main
+    from tests.conftest import write_tiny_checkpoint
+
+    folder = write_tiny_checkpoint(tmp_path / "m")
+    evil = "{{ ''.__class__.__mro__[1].__subclasses__() }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    (folder / "chat_template.jinja").write_text(evil)
+    tok = AutoTokenizer.from_pretrained(folder)
+    with pytest.raises(InputError, match="the chat template rejected the messages: access to attribute '__class__'"):
+        render_chat(tok, [{"role": "user", "content": "hi"}])
+    assert main(["generate", str(folder), "--chat", "--prompt", "hi", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "error: the chat template rejected the messages" in err and "Traceback" not in err

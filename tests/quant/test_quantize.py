@@ -227,3 +227,50 @@ def test_modules_to_not_convert_inside_layers(tiny: Path, tmp_path: Path) -> Non
     ids = torch.randint(0, 256, (32,))
     ref, got = _logits(tiny, ids), _logits(out, ids)
     assert float((got - ref).norm() / ref.norm()) < 0.25
+
+
+def test_sigkill_leftovers_are_removed_by_the_next_run(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """Issue 19 item 8: a SIGKILLed quantize left a .NAME.tmp-* folder that later runs never cleaned. The next run
+    to the same target removes its own kind of leftovers (older than itself, no live owner) and says so."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from lightinfer.quant import export
+    from lightinfer.quant.export import AtomicOutputDir
+
+    out = tmp_path / "model"
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from lightinfer.quant.export import AtomicOutputDir\n"
+        f"with AtomicOutputDir({str(out)!r}) as tmp:\n"
+        "    (tmp / 'model.safetensors').write_bytes(b'partial')\n"
+        "    print('writing', flush=True)\n"
+        "    time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "writing"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    left = list(tmp_path.glob(".model.tmp-*"))
+    assert len(left) == 1 and (left[0] / "model.safetensors").is_file()  # what SIGKILL leaves
+    # a leftover of another live quantize to the same target, and folders that are not ours, stay
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        busy = tmp_path / f".model.tmp-{sleeper.pid}-abc12345"
+        others = [tmp_path / ".other.tmp-1-abc12345", tmp_path / ".model.tmp-my-notes"]
+        for d in (busy, *others):
+            d.mkdir()
+        stale_old = tmp_path / ".model.old-1-xyz12345"  # pid 1 is alive, but it is not a quantize: kept too
+        stale_old.mkdir()
+        monkeypatch.setattr(export, "_PROCESS_START", time.time() + 1)  # as a run started after all of them
+        with AtomicOutputDir(out) as tmp:
+            (tmp / "config.json").write_text("{}")
+    finally:
+        sleeper.kill()
+    err = capsys.readouterr().err
+    assert f"removed 1 temporary folder(s) an interrupted run left next to {out}: {left[0].name}" in err
+    assert not left[0].exists() and (out / "config.json").is_file()
+    assert busy.is_dir() and all(d.is_dir() for d in others) and stale_old.is_dir()
+    assert os.getpid() != sleeper.pid

@@ -16,6 +16,7 @@ from serving_fakes import FakeLLMEngine
 
 from lightinfer.config import EngineConfig
 from lightinfer.engine.async_engine import AsyncLLMEngine
+from lightinfer.entrypoints.http_limits import HTTPLimits, uvicorn_config
 
 
 def free_port() -> int:
@@ -37,11 +38,12 @@ class LiveServer:
         self.thread.join(15)
 
 
-def start_server(app: Any, engine: AsyncLLMEngine, timeout: float = 60.0) -> LiveServer:
-    """Run ``app`` with uvicorn on a background thread; return once it accepts connections."""
+def start_server(app: Any, engine: AsyncLLMEngine, timeout: float = 60.0, limits: HTTPLimits | None = None
+                 ) -> LiveServer:
+    """Run ``app`` with uvicorn on a background thread, with the connection ``limits`` ``lightinfer serve``
+    uses (default :class:`HTTPLimits`); return once it accepts connections."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, limits, "warning", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout

@@ -41,6 +41,10 @@ class FakeTokenizer:
                 ids.extend(piece.encode())
         return ids[1:] if not text.startswith("<|im_start|>") and ids and ids[0] == IM_START else ids
 
+    def get_vocab(self) -> dict[str, int]:
+        """Byte tokens (one character each) and the two chat markers, as a vocabulary."""
+        return {**{chr(i): i for i in range(256)}, "<|im_start|>": IM_START, "<|im_end|>": IM_END}
+
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return bytes(i for i in ids if i < 256).decode(errors="replace")
 

@@ -32,9 +32,14 @@ def browser() -> Iterator[Any]:
         b.close()
 
 
-def _open(browser: Any, url: str, temperature: str | None = "0", max_new_tokens: str = "40") -> Any:
+def _open(browser: Any, url: str, temperature: str | None = "0", max_new_tokens: str = "40",
+          api_key: str | None = None) -> Any:
     page = browser.new_context(viewport={"width": 1280, "height": 1000}).new_page()
     page.goto(url + "/")
+    if api_key is not None:  # a server with an API key: the UI's login takes it as the password
+        page.get_by_label("username").fill("me")
+        page.get_by_label("password").fill(api_key)
+        page.get_by_role("button", name="Login").click()
     page.get_by_placeholder("Type a message...").wait_for(timeout=30_000)
     page.get_by_text("Sampling").click()
     if temperature is not None:
@@ -66,19 +71,18 @@ def _wait_for(pred: Any, timeout: float, what: str) -> None:
 
 def test_ask_capital_streams_paris(browser: Any, real_server: LiveServer) -> None:
     page = _open(browser, real_server.url)
+    # Every text the first reply shows, recorded by the page itself on each DOM change: polling from here
+    # every 0.2 s could miss an 8-token reply's steps on a busy machine.
+    page.evaluate("""() => { window.__seen = new Set();
+        new MutationObserver(() => { const b = document.querySelector('[data-testid=bot]');
+                                     if (b) window.__seen.add(b.innerText); })
+            .observe(document.body, {subtree: true, childList: true, characterData: true}); }""")
     _send(page, "What is the capital of France?")
-    seen: list[str] = []
-
-    def done() -> bool:
-        texts = _bot_texts(page)
-        if texts:
-            seen.append(texts[0])
-        return any("tokens/s" in t for t in texts)
-
-    _wait_for(done, 90, "the reply and its stats line")
+    _wait_for(lambda: any("tokens/s" in t for t in _bot_texts(page)), 90, "the reply and its stats line")
     text = "\n".join(_bot_texts(page))
     assert "Paris" in text and "time to first token" in text
-    assert len({s for s in seen if s}) > 1  # the reply grew on screen: streamed, not one blob
+    seen = page.evaluate("() => [...window.__seen].filter(t => t.trim())")
+    assert len(seen) > 1, seen  # the reply grew on screen: streamed, not one blob
     page.context.close()
 
 
@@ -109,7 +113,7 @@ def test_two_pages_at_once(browser: Any, real_server: LiveServer) -> None:
 
 def test_long_conversation_trimmed_with_notice(browser: Any, fake_server: LiveServer) -> None:
     """Fake engine (512-token context): the third long turn drops the oldest ones, visibly, no crash."""
-    page = _open(browser, fake_server.url, temperature=None, max_new_tokens="150")
+    page = _open(browser, fake_server.url, temperature=None, max_new_tokens="150", api_key="test-key")
     for i in range(3):
         box = page.get_by_test_id("textbox").last  # the placeholder is gone after the first turn
         box.fill(f"message {i} " + "blah " * 20)
@@ -137,3 +141,67 @@ def test_json_schema_box_constrains_and_formats_the_reply(browser: Any, real_ser
     jsonschema.validate(json.loads(code), schema)
     assert "\n  \"legs\"" in code  # pretty-printed, indented by 2
     page.context.close()
+@pytest.fixture(scope="module")
+def slow_server() -> Iterator[LiveServer]:
+    """The fake engine at ~30 tokens/s, so that a reply is still streaming when the test looks."""
+    from conftest import fake_engine, start_server
+
+    from lightinfer.webui.server import build_app
+
+    engine = fake_engine(step_delay=0.03)
+    live = start_server(build_app(engine), engine)
+    yield live
+    live.stop()
+
+
+def _wait_streaming(page: Any, turn: int) -> None:
+    _wait_for(lambda: len(_bot_texts(page)) > turn and len(_bot_texts(page)[-1]) > 10, 30, f"reply {turn} to stream")
+
+
+def test_no_stray_bubble_while_a_later_turn_streams(browser: Any, slow_server: LiveServer) -> None:
+    """Issue 19 item 12: the stats note of a finished reply made Gradio draw a "•••" bubble under it while
+    the next reply streamed (a note with status "done" reads as a thought with more to come)."""
+    page = _open(browser, slow_server.url, temperature=None, max_new_tokens="20")
+    _send(page, "first")
+    _wait_for(lambda: any("tokens/s" in t for t in _bot_texts(page)), 30, "the first reply's stats")
+    box = page.get_by_test_id("textbox").last
+    box.fill("second " * 3)
+    box.press("Enter")
+    page.get_by_test_id("bot").nth(2).wait_for(timeout=30_000)  # the second reply is streaming
+    assert page.locator(".message.pending").count() == 0, "a loading bubble is drawn between the turns"
+    assert any("tokens/s" in t for t in _bot_texts(page))  # the first reply keeps its stats
+    page.context.close()
+
+
+def test_a_stopped_reply_keeps_its_text_and_shows_its_numbers(browser: Any, slow_server: LiveServer) -> None:
+    """Issue 19 item 12: a stopped reply showed no stats and no sign it was stopped."""
+    page = _open(browser, slow_server.url, temperature=None, max_new_tokens="300")
+    _send(page, "tell me everything")
+    _wait_streaming(page, 0)
+    page.locator("button.stop-button").click()
+    _wait_for(lambda: any(t.startswith("stopped · ") for t in _bot_texts(page)), 10, "the stopped mark")
+    texts = _bot_texts(page)
+    reply, mark = texts[0], next(t for t in texts if t.startswith("stopped · "))
+    assert len(reply) > 10 and "tokens/s" in mark and "time to first token" in mark
+    n = int(mark.split("stopped · ")[1].split(" tokens")[0])
+    assert 5 < n < 300  # the tokens it had when stopped, not the whole reply
+    page.context.close()
+
+
+def test_bad_input_in_the_ui_is_a_message_not_a_traceback(browser: Any, slow_server: LiveServer, capfd) -> None:
+    """Issue 19 item 7: a lone surrogate typed (by a script) into the box, or a seed of 1e30, logged a
+    traceback and left the chat stuck; now the box says what is wrong, and the seed gets a note."""
+    page = _open(browser, slow_server.url, temperature=None, max_new_tokens="8")
+    page.get_by_test_id("textbox").last.fill("x")
+    page.evaluate("() => { const t = [...document.querySelectorAll('textarea[data-testid=textbox]')].pop();"
+                  " t.value = 'a\\ud800b'; t.dispatchEvent(new Event('input', {bubbles: true})); }")
+    page.get_by_test_id("textbox").last.press("Enter")
+    page.get_by_text("the message is not valid Unicode text").wait_for(timeout=10_000)
+    page.get_by_label("Seed (-1 = random)").fill("1e30")
+    box = page.get_by_test_id("textbox").last
+    box.fill("hello")  # the box is still usable
+    box.press("Enter")
+    _wait_for(lambda: any("the seed must be below 2**63" in t for t in _bot_texts(page)), 20, "the seed's note")
+    page.context.close()
+    captured = capfd.readouterr()
+    assert "Traceback" not in captured.err + captured.out

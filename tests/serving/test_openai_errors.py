@@ -109,6 +109,28 @@ def test_400_lone_surrogate(fake_server: LiveServer, path: str, field: str) -> N
     assert r.status_code == 400 and "not valid Unicode" in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.parametrize("path", ["chat/completions", "completions", "models/a\\ud800"])
+def test_lone_surrogate_in_the_model_field_is_a_400_not_a_500(fake_server: LiveServer, path: str) -> None:
+    """Issue 19 item 7: the 404 message echoed the model name, and a lone surrogate in it made the error response
+    itself fail to encode (500)."""
+    h = {"Authorization": "Bearer test-key", "Content-Type": "application/json"}
+    body = '{"model": "x\\ud800y", "messages": [{"role": "user", "content": "hi"}], "prompt": "hi"}'
+    if path.startswith("models/"):
+        r = httpx.get(f"{fake_server.url}/v1/models/x%ED%A0%80y", headers=h)  # the URL-encoded surrogate
+        assert r.status_code in (400, 404), r.text
+        return
+    r = httpx.post(f"{fake_server.url}/v1/{path}", content=body.encode(), headers=h)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    assert "model is not valid Unicode text" in r.json()["error"]["message"]
+
+
+def test_error_messages_that_echo_input_are_always_encodable() -> None:
+    from lightinfer.entrypoints.openai_errors import OpenAIError, error_response
+
+    r = error_response(OpenAIError(404, "The model `a\ud800` does not exist"))
+    assert r.status_code == 404 and b"a\\\\ud800" in r.body  # escaped, JSON-quoted
+
+
 def test_400_body_not_an_object_or_not_finite(fake_server: LiveServer) -> None:
     h = {"Authorization": "Bearer test-key", "Content-Type": "application/json"}
     r = httpx.post(f"{fake_server.url}/v1/chat/completions", content=b"[1, 2]", headers=h)

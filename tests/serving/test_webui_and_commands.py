@@ -77,7 +77,7 @@ def test_demo_quantizes_once_then_reuses(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_json_schema_box_and_formatted_reply() -> None:
-    from lightinfer.webui.app import format_json_reply, json_schema_constraint
+    from lightinfer.webui.replies import format_json_reply, json_schema_constraint
 
     assert json_schema_constraint("") is None and json_schema_constraint("  \n") is None
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -98,3 +98,76 @@ def test_serve_tool_call_parser_flag() -> None:
     bad = _parse(["serve", "m", "--tool-call-parser", "nope", "--port", str(free_port())])
     with pytest.raises(ValueError, match="tool-call parser 'nope' is unknown"):  # before any model loads
         commands.run_serve(bad)
+def test_notes_carry_no_status() -> None:
+    """A note with ``status: "done"`` made Gradio draw a "•••" bubble under every earlier reply while a later
+    one streamed (issue 19 item 12); notes are still recognised and kept from the model."""
+    from lightinfer.webui.replies import history_messages, is_note, note
+
+    n = note("3 tokens")
+    assert "status" not in n.metadata and is_note(n) and is_note({"metadata": dict(n.metadata)})
+    assert history_messages([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "",
+                                                                  "metadata": dict(n.metadata)}]) == [
+        {"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("value, seed", [(-1, None), (None, None), ("", None), (0, 0), (42.0, 42),
+                                         (2**63 - 1, 2**63 - 1)])
+def test_ui_seed_accepts(value: object, seed: int | None) -> None:
+    from lightinfer.webui.replies import ui_seed
+
+    assert ui_seed(value) == seed
+
+
+@pytest.mark.parametrize("value, needle", [(1e30, "below 2\\*\\*63"), (float("inf"), "whole number"),
+                                           (float("nan"), "whole number"), (1.5, "whole number"),
+                                           ("abc", "whole number")])
+def test_ui_seed_refuses(value: object, needle: str) -> None:
+    """A seed of 1e30 logged a traceback (torch's generator takes 64 bits); now it is a message (issue 19 item 7)."""
+    from lightinfer.webui.replies import ui_seed
+
+    with pytest.raises(ValueError, match=needle):
+        ui_seed(value)
+
+
+def test_sampling_params_seed_range() -> None:
+    from lightinfer.sampling_params import SamplingParams
+
+    SamplingParams(seed=-(2**63))
+    SamplingParams(seed=2**64 - 2, n=2)
+    for seed in (10**30, 2**64 - 1, -(2**63) - 1):
+        with pytest.raises(ValueError, match="64-bit seed"):
+            SamplingParams(seed=seed, n=2)
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        SamplingParams(seed=True)
+
+
+def test_model_panel_says_why_memory_differs_from_the_files() -> None:
+    """The panel said "Weights 171.4 MiB" for a 108.7 MiB checkpoint without saying why (issue 19 item 12)."""
+    md = model_panel({"model": "m", "quantization": {"method": "awq", "bits": 4, "group_size": 64},
+                      "kv_cache_dtype": "int8", "weight_bytes": int(171.4 * 2**20), "checkpoint_bytes": int(108.7 * 2**20),
+                      "cpu_dense_bytes": 500 * 2**20, "kv_pool_tokens": 4096, "num_kv_blocks": 256, "block_size": 16,
+                      "max_model_len": 2048, "device": "cpu", "dtype": "float32"})
+    assert "171.4 MiB in memory ¹" in md and "checkpoint files are 108.7 MiB" in md
+    assert "float32, where files usually hold 16 bits" in md and "scales and zeros in float32" in md
+    assert "kept dequantized for the fp32 GEMM: 500.0 MiB more" in md
+
+
+def test_reply_tracker_reports_only_stopped_replies() -> None:
+    import asyncio
+
+    from lightinfer.webui.replies import ReplyTracker
+
+    tracker = ReplyTracker()
+    p = tracker.start("s1")
+    p.update(5)
+    tracker.end(p, stopped=True)
+    q = tracker.start("s2")
+    q.update(3)
+    tracker.end(q, stopped=False)
+
+    async def main() -> tuple[str | None, str | None, str | None]:
+        return (await tracker.stopped_stats("s1"), await tracker.stopped_stats("s2", timeout=0.1),
+                await tracker.stopped_stats("nobody", timeout=0.1))
+
+    stopped, finished, unknown = asyncio.run(main())
+    assert stopped is not None and stopped.startswith("5 tokens") and finished is None and unknown is None
