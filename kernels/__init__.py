@@ -9,6 +9,8 @@ The public surface (what layers, models and the engine import; importing it does
 * The W4 run-time weight layout (``w4_layout.py``): :func:`repack_awq_to_runtime`, :func:`dequantize_w4`,
   :func:`pack_awq`, :func:`unpack_awq`, :func:`pack_int4_rows`, :func:`unpack_int4_rows`; the W8 one's :func:`dequantize_w8` (``reference.py``).
 * :func:`decode_workspace_bytes`: the memory a split paged-attention decode allocates.
+* Low-bit weights on the CPU (``cpu_lowbit.py``): :func:`prepare_w4_cpu` / :func:`prepare_w8_cpu` turn a W4 / W8
+  run-time weight into a :class:`CpuQuantWeight` once, :func:`cpu_quant_linear` multiplies by it.
 
 Build-time tooling (SASS counts, shared-memory and PDL checks) lives in ``lightinfer.kernels.audit``, which
 imports the kernels and is never imported by them. Engineering notes: ``kernels/README.md``.
@@ -19,6 +21,10 @@ from __future__ import annotations
 from . import switches
 from .attention_plan import decode_workspace_bytes
 from .backends import OP_NAMES, get_backend
+from .cpu_lowbit import CpuQuantWeight
+from .cpu_lowbit import prepare_w4 as prepare_w4_cpu
+from .cpu_lowbit import prepare_w8 as prepare_w8_cpu
+from .cpu_lowbit import quant_linear as cpu_quant_linear
 from .paged_kv import KV_BLOCK_SIZES, KVCacheSpec, PagedKV
 from .reference import dequantize_w8
 from .split_k import SplitKPartials
@@ -36,15 +42,19 @@ __all__ = [
     "BACKEND_NAMES",
     "KV_BLOCK_SIZES",
     "OP_NAMES",
+    "CpuQuantWeight",
     "KVCacheSpec",
     "PagedKV",
     "SplitKPartials",
+    "cpu_quant_linear",
     "decode_workspace_bytes",
     "dequantize_w4",
     "dequantize_w8",
     "get_backend",
     "pack_awq",
     "pack_int4_rows",
+    "prepare_w4_cpu",
+    "prepare_w8_cpu",
     "repack_awq_to_runtime",
     "switches",
     "unpack_awq",

@@ -67,13 +67,29 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
+def cpu_auto_dtype(quantized: bool) -> torch.dtype:
+    """What ``dtype="auto"`` means on a CPU: bf16 for a 4-/8-bit checkpoint where torch's CPU int4 GEMM runs
+    (its fast path takes bf16 activations, and the weights then stay low-bit: ``kernels/cpu_lowbit.py``)
+    unless the ``LIGHTINFER_CPU_LOWBIT=0`` switch asks for the exact path; fp32 otherwise (a dense
+    checkpoint, or the exact path: low-bit weights dequantized once to fp32)."""
+    from lightinfer.kernels import switches
+    from lightinfer.kernels.cpu_lowbit import int4_gemm_available
+
+    if quantized and switches.current().cpu_lowbit and int4_gemm_available() and \
+            torch.backends.cpu.get_cpu_capability() != "DEFAULT":
+        return torch.bfloat16
+    return torch.float32
+
+
 @dataclass
 class EngineConfig:
     """Engine settings, validated in ``__post_init__``.
 
     Attributes:
         model: a Hugging Face folder, a ``.gguf`` file or ``smollm2-135m-instruct``.
-        dtype: activation / weight dtype: "auto", "float32", "float16", "bfloat16".
+        dtype: activation / weight dtype: "auto", "float32", "float16", "bfloat16". "auto": bf16 on GPUs
+            that have it, else fp16; on a CPU bf16 for a 4-/8-bit checkpoint (its weights then stay
+            low-bit, :func:`cpu_auto_dtype`), fp32 for a dense one.
         device: "auto", "cpu" or "cuda[:i]".
         max_model_len: longest sequence (prompt + output) in tokens; None = the model's
             ``max_position_embeddings`` capped at 8192.

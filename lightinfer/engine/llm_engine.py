@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightinfer.config import EngineConfig
+from lightinfer.config import EngineConfig, cpu_auto_dtype
 from lightinfer.engine.block_manager import BlockManager
 from lightinfer.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
 from lightinfer.engine.model_runner import ModelRunner
@@ -108,6 +108,8 @@ class LLMEngine:
 
             self.checkpoint.quant_config = dummy_awq_config(hf_config)
         check_quant_config(self.checkpoint.quant_config, hf_config)
+        if config.dtype == "auto" and config.torch_device.type == "cpu":  # known once the checkpoint is open
+            config.torch_dtype = cpu_auto_dtype(self.checkpoint.quant_config is not None)
         self.hf_config = hf_config
         # No tokenizer: asked for, or a bare config folder with dummy weights (ids in, ids out).
         no_tokenizer = config.skip_tokenizer_init or (dummy and not self.checkpoint.has_tokenizer)

@@ -153,3 +153,4 @@ def module_bytes(module: nn.Module, exclude: tuple[object, ...] = ()) -> int:
     for t in exclude:
         tensors.pop(id(t), None)
     return sum(t.numel() * t.element_size() for t in tensors.values())
+

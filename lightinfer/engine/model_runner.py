@@ -22,9 +22,11 @@ from lightinfer.engine.scheduler import SchedulerOutput
 from lightinfer.engine.step_inputs import StepInputs, block_table_tensor, build_step_inputs, select_rows
 from lightinfer.kernels import KVCacheSpec, decode_workspace_bytes
 from lightinfer.layers.attention import Attention, AttentionMetadata, set_context
+from lightinfer.layers.cpu_gemm import use_cpu_lowbit
 from lightinfer.layers.embed_head import VocabEmbedding
 from lightinfer.layers.fusion import fuse_model
 from lightinfer.layers.linear import W4A16Linear, W8A16Linear
+from lightinfer.layers.ops import backend_name
 from lightinfer.loader import Checkpoint, load_weights
 from lightinfer.models.registry import get_model_class
 
@@ -81,15 +83,12 @@ class ModelRunner:
             num_layers=len(self.attention_layers), num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
             block_size=config.block_size, dtype=kv_dtype,
         )
-        # By storage: a tied LM head appears in the state dict under two names but is held once.
-        storages = {t.data_ptr(): t for t in self.model.state_dict().values()}
-        on_device = [t.device.type == self.device.type for t in storages.values()]
-        self.weight_bytes = sum(t.numel() * t.element_size() for t, d in zip(storages.values(), on_device) if d)
-        # Weights kept in host memory while the model runs on a GPU (the input embedding).
-        self.host_weight_bytes = sum(t.numel() * t.element_size() for t, d in zip(storages.values(), on_device)
-                                     if not d)
-        if self.device.type == "cpu":
-            self.model.pack_for_cpu()  # after weight_bytes: packed tensors are opaque, same size
+        if self.device.type == "cpu" and backend_name(torch.empty(0)) == "torch_cpu":
+            # Each linear prepared once for the CPU GEMM (4-/8-bit ones stay low-bit with 16-bit activations);
+            # not when another backend is forced (the Triton path on the interpreter, the reference oracle),
+            # which reads the run-time tensors the preparation replaces.
+            self.model.pack_for_cpu()
+        self.weight_bytes, self.host_weight_bytes = resident_weight_bytes(self.model, self.device)
         self.num_blocks = self._num_blocks()
         self._allocate_kv_cache()
         self.graph_runner: DecodeGraphRunner | None = None
@@ -102,12 +101,14 @@ class ModelRunner:
             skeleton = model_cls(checkpoint.hf_config, checkpoint.quant_config, self.dtype)
         weights = module_bytes(skeleton)
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        # On a CPU every 4-bit layer also keeps its weight dequantized once (W4A16Linear.pack_for_cpu).
-        dense = sum(m.in_features * m.out_features * elem for m in skeleton.modules()
-                    if isinstance(m, (W4A16Linear, W8A16Linear)))
+        # With fp32 activations (the exact path) a 4-/8-bit layer is dequantized once for the CPU GEMM; with
+        # 16-bit ones it stays low-bit, its prepared form about the size of the run-time tensors it replaces.
+        dense = 0 if use_cpu_lowbit(self.dtype) else sum(
+            m.in_features * m.out_features * elem for m in skeleton.modules() if isinstance(m, (W4A16Linear,
+                                                                                             W8A16Linear)))
         kv = self.config.kv_cache_memory_bytes or (0 if self.config.num_kv_blocks else CPU_DEFAULT_KV_CACHE_BYTES)
         dtype = str(self.dtype).replace("torch.", "")
-        return {f"weights ({dtype})": weights, "4-bit layers dequantized for the CPU GEMM": dense,
+        return {f"weights ({dtype})": weights, "4-/8-bit layers dequantized for the CPU GEMM": dense,
                 "KV pool": int(kv)}
 
     # ------------------------------------------------------------------ KV pool
@@ -330,3 +331,26 @@ class ModelRunner:
             return self.model.compute_logits(select_rows(hidden, step.logits_idx))
         finally:
             set_context(None)
+
+
+def resident_weight_bytes(model: torch.nn.Module, device: torch.device) -> tuple[int, int]:
+    """``(bytes on device, bytes in host memory)`` the loaded model's weights really hold: its tensors, each
+    storage once (a tied head counts once), plus the forms prepared for the CPU GEMM that replace or join
+    them (``pack_for_cpu``: a low-bit layer's ``_lowbit``, a dense prepacked ``_packed``, a dequantized
+    ``_dense``). On a GPU engine the host part is the input embedding kept on the host."""
+    storages = {t.data_ptr(): t for t in model.state_dict().values()}
+    on_device = host = 0
+    for t in storages.values():
+        if t.device.type == device.type:
+            on_device += t.numel() * t.element_size()
+        else:
+            host += t.numel() * t.element_size()
+    for m in model.modules():
+        prepared = [getattr(m, name, None) for name in ("_lowbit", "_packed", "_dense")]
+        extra = sum(p.nbytes if hasattr(p, "nbytes") and not isinstance(p, torch.Tensor) else
+                    p.numel() * p.element_size() for p in prepared if p is not None)
+        if device.type == "cpu":
+            on_device += extra
+        else:
+            host += extra
+    return on_device, host

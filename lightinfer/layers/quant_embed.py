@@ -39,6 +39,7 @@ class QuantizedVocabEmbedding(nn.Module):
     def __init__(self, table: W4A16Linear | W8A16Linear, dtype: torch.dtype) -> None:
         super().__init__()
         self.table = table
+        table.rows_read = True  # the CPU engine's pack_for_cpu keeps the codes this embedding reads
         self.vocab_size = table.out_features
         self.dtype = dtype
 
@@ -76,8 +77,8 @@ class QuantizedLMHead(nn.Module):
         self.table = table
 
     def pack_for_cpu(self, keep_weight: bool) -> None:
-        """On CPU the table dequantizes once for the GEMM (as every quantized layer there);
-        ``keep_weight`` is moot: the quantized table always stays (the embedding reads it)."""
+        """On CPU the table is prepared once for the GEMM (``pack_for_cpu`` of its layer); ``keep_weight``
+        is moot: a tied table's codes stay because the embedding marks them as read (``rows_read``)."""
         del keep_weight
         self.table.pack_for_cpu()
 
