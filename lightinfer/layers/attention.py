@@ -146,8 +146,11 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, kv: PagedKV, ctx: AttentionMetadata) -> torch.Tensor:
         """q ``[T, H, D]`` against the cache (this step's k/v already in it) -> ``[T, H * D]``."""
         ops = ops_for(q)
-        out = torch.empty_like(q)
         nd = ctx.num_decodes
+        if nd == q.shape[0]:  # a decode-only step: no output buffer to scatter into
+            return ops.paged_attention_decode(q, kv, ctx.decode_block_tables, ctx.decode_context_lens,
+                                              self.scale).reshape(q.shape[0], -1)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = ops.paged_attention_decode(q[:nd], kv, ctx.decode_block_tables, ctx.decode_context_lens,
                                                   self.scale)
