@@ -269,8 +269,12 @@ class Checkpoint:
 def _gguf_tokenizer(path: str) -> object:
     from transformers import AutoTokenizer
 
+    from lightinfer.formats.gguf_file import open_gguf
+    from lightinfer.formats.gguf_header import transformers_reads_header
+
     p = Path(path)
-    return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    with transformers_reads_header(open_gguf(path).header):  # the file's header parsed once, at open
+        return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
 
 
 def _safetensors_data_end(path: Path) -> int:

@@ -1,11 +1,11 @@
 """A GGUF file opened for loading: header checked, tensors indexed by Hugging Face name, raw blocks read
 one tensor at a time.
 
-* The header and tensor table are parsed by the ``gguf`` package's ``GGUFReader``; a file shorter than
-  its tensor table says (a truncated download) is refused naming the first tensor that is cut off,
-  and a tensor type lightinfer cannot run is refused naming the tensor, its type and the supported
-  ones: both before any weight is allocated.
-* Config, tokenizer and chat template come from transformers' GGUF support, as before.
+* The header and tensor table are parsed once (``gguf_header.py``); a file shorter than its tensor
+  table says (a truncated download) is refused naming the first tensor that is cut off, and a tensor
+  type lightinfer cannot run is refused naming the tensor, its type and the supported ones: both
+  before any weight is allocated.
+* Config, tokenizer and chat template come from transformers' GGUF support, reading that same parse.
 * GGUF -> Hugging Face tensor names come from transformers' own map (``get_gguf_hf_weights_map``,
   built on gguf's ``TensorNameMap``), and so does the processing transformers applies to a tensor
   (Llama's q/k rows, which llama.cpp permutes for its RoPE): lightinfer runs transformers' processor on
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
-from gguf.constants import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType
 
 from lightinfer.formats.gguf_blocks import DENSE_TYPES, UNPACKERS
+from lightinfer.formats.gguf_header import read_gguf_header, transformers_reads_header
 from lightinfer.formats.scheme import LINEAR_FORMATS_KEY, LinearFormat
 
 SUPPORTED_TYPES = (*DENSE_TYPES, *UNPACKERS)
@@ -78,42 +78,6 @@ def _cached_gguf_name_map() -> Iterator[None]:
         gguf.get_tensor_name_map = original
 
 
-class _CheckedReader(GGUFReader):
-    """``GGUFReader`` that checks every tensor's type and extent against the file before building the views
-    (the stock reader would fail deep inside numpy with "cannot reshape array", or on an unknown type id)."""
-
-    def _build_tensors(self, start_offs: int, fields: list) -> None:  # type: ignore[override]
-        size = len(self.data)
-        for field in fields:
-            _, name_data, _, dims, raw_dtype, offset_tensor = field.parts
-            name = bytes(name_data).decode("utf-8", "replace")
-            try:
-                ggml_type = GGMLQuantizationType(int(raw_dtype[0]))
-            except ValueError:
-                raise _TensorError(f"tensor {name} has GGML type id {int(raw_dtype[0])}, which this gguf package "
-                                   f"does not know; lightinfer supports {_SUPPORTED_TEXT}") from None
-            block, type_size = GGML_QUANT_SIZES[ggml_type]
-            n = int(np.prod(dims.astype(np.int64)))
-            end = int(start_offs + offset_tensor[0]) + n * type_size // block
-            if end > size:
-                raise _TensorError(f"is truncated: tensor {name} ({ggml_type.name}, {n} elements) ends at byte "
-                                   f"{end} but the file has {size} bytes; re-download it")
-        super()._build_tensors(start_offs, fields)
-
-
-class _TensorError(ValueError):
-    """A per-tensor problem found while indexing (reported with the file name in front)."""
-
-
-def _read_header(path: Path) -> GGUFReader:
-    try:
-        return _CheckedReader(path)
-    except _TensorError as e:
-        raise ValueError(f"{path}: {e}") from None
-    except (ValueError, IndexError, KeyError, TypeError, OverflowError) as e:
-        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt header: {e}); re-download it") from None
-
-
 class GGUFFile:
     """An opened GGUF file (module docstring).
 
@@ -131,7 +95,7 @@ class GGUFFile:
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
         from transformers.modeling_gguf_pytorch_utils import (
             TENSOR_PROCESSORS,
             TensorProcessor,
@@ -139,21 +103,21 @@ class GGUFFile:
         )
 
         self.path = Path(path)
-        reader = _read_header(self.path)
-        if reader.byte_order != "I":
-            raise ValueError(f"{self.path} is a big-endian GGUF file; lightinfer reads little-endian files only")
-        arch_field = reader.get_field("general.architecture")
-        self.architecture = str(arch_field.contents()) if arch_field is not None else "?"
-        infos = [(t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), int(t.data_offset),
-                  int(t.n_bytes)) for t in reader.tensors]
-        del reader  # drops its memory map
+        self.header = read_gguf_header(self.path)
+        self.architecture = str(self.header.get("general.architecture", "?"))
+        infos = [(t.name, t.ggml_type, tuple(reversed(t.dims)), t.offset, t.nbytes) for t in self.header.tensors]
         try:
-            self.config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name)
+            with transformers_reads_header(self.header):  # not a second (and third) parse of the file
+                self.config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name)
         except (ValueError, KeyError, OSError, NotImplementedError) as e:
             raise ValueError(f"{self.path}: transformers cannot read its config ({e})") from e
         self._processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=self.config.to_dict())
-        with torch.device("meta"):  # only for names: a meta model allocates nothing
-            skeleton = AutoModelForCausalLM.from_config(self.config)
+        from lightinfer.models.registry import get_model_class
+
+        # Only for names: lightinfer's own model has transformers' parameter names, and built on the meta
+        # device it allocates nothing (transformers' modeling module would take ~1 s of start-up to import).
+        with torch.device("meta"):
+            skeleton = get_model_class(self.config)(self.config, None, torch.float32)
         with _cached_gguf_name_map():
             name_map = get_gguf_hf_weights_map(skeleton, self._processor)
         self.tensors: dict[str, GGUFTensor] = {}
