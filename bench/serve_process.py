@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
@@ -73,8 +74,9 @@ class ServeProcess:
         cmd = [self.python, "-m", "lightinfer.cli", "serve", self.model, "--port", str(self.port), *self.extra]
         env = {**os.environ, **(self.env or {})}
         self.t0 = time.perf_counter()
+        # cwd: not a checkout, or `-m lightinfer.cli` would import the checkout's lightinfer, not the interpreter's
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     start_new_session=True)
+                                     cwd=tempfile.gettempdir(), start_new_session=True)
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:

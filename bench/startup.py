@@ -25,11 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_process import ServeProcess, cpu_seconds, machine_load, peak_rss_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = {"loading": "loading", "engine ready": "engine ready", "serving": "is serving"}
+PHASES = {"loading": "loading", "weights": "loading the weights", "engine_ready": "engine ready",
+          "serving": "is serving"}
 
 
-def one_run(python: str, model: str, extra: list[str]) -> dict[str, object]:
-    server = ServeProcess(python, model, extra)
+def one_run(python: str, model: str, extra: list[str], env: dict[str, str]) -> dict[str, object]:
+    server = ServeProcess(python, model, extra, env)
     server.start()
     try:
         first = server.first_answer()
@@ -55,20 +56,25 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--python", default=sys.executable, help="the interpreter whose lightinfer is measured")
     ap.add_argument("--compare", default=None, metavar="PYTHON",
                     help="another interpreter with another lightinfer (e.g. the branch point's), run interleaved")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="OMP_NUM_THREADS for the servers (on a busy machine 1 makes CPU seconds a fair figure: no "
+                         "OpenMP thread spins waiting for a descheduled one)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "startup.json")
     args = ap.parse_args(argv)
     extra = ["--no-ui"] if args.no_ui else []
+    env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
     pythons = {"this": args.python} | ({"compare": args.compare} if args.compare else {})
     conditions = machine_load()
     print(f"[startup] {conditions}", flush=True)
     runs: dict[str, list[dict[str, object]]] = {name: [] for name in pythons}
     for i in range(args.repeats):
         for name, python in pythons.items():
-            record = one_run(python, args.model, extra)
+            record = one_run(python, args.model, extra, env)
             runs[name].append(record)
             print(f"[startup] run {i + 1} {name}: {record}", flush=True)
     result: dict[str, object] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": args.model, "ui": not args.no_ui,
+        "threads": args.threads,
         "conditions": conditions, "pythons": pythons, "runs": runs,
         "median": {name: summarize(r) for name, r in runs.items()}}
     if args.compare:

@@ -39,17 +39,24 @@ class StepMemo:
     """
 
     def __init__(self) -> None:
-        self._entries: dict[str, tuple[tuple[torch.Tensor, ...], tuple, Any]] = {}
+        self._entries: dict[str, tuple[tuple[torch.Tensor, ...], tuple, Any]] = {}  # kind -> (keys, versions, value)
 
     def get(self, kind: str, tensors: tuple[torch.Tensor, ...], extra: tuple, build: Callable[[], Any]) -> Any:
-        versions = tuple(-1 if t.is_inference() else t._version for t in tensors)
+        """The value cached for ``kind`` if it was built from these very tensors (unmodified) and ``extra``,
+        else ``build()`` (then cached)."""
         hit = self._entries.get(kind)
-        if hit is not None and len(hit[0]) == len(tensors) and all(a is b for a, b in zip(hit[0], tensors)) \
-                and hit[1] == (versions, extra):
-            return hit[2]
+        if hit is not None:
+            keys, versions, value = hit
+            if len(keys) == len(tensors) and all(a is b for a, b in zip(keys, tensors)) and \
+                    versions == _versions(tensors, extra):
+                return value
         value = build()
-        self._entries[kind] = (tensors, (versions, extra), value)
+        self._entries[kind] = (tensors, _versions(tensors, extra), value)
         return value
+
+
+def _versions(tensors: tuple[torch.Tensor, ...], extra: tuple) -> tuple:
+    return (*(-1 if t.is_inference() else t._version for t in tensors), *extra)
 
 
 _memo = StepMemo()

@@ -168,16 +168,21 @@ def quant_linear(x: torch.Tensor, weight: CpuQuantWeight, bias: torch.Tensor | N
     Returns:
         ``[..., N]``.
     """
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
+    # Called ~120 times a decode step: the Python around the kernel is kept to what the inputs need.
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if weight.input_perm is not None:
         x2 = x2.index_select(1, weight.input_perm)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(COMPUTE_DTYPE).contiguous(), weight.packed, weight.group_size,
-                                                   weight.scale_offset)
+    if x2.dtype != COMPUTE_DTYPE:
+        x2 = x2.to(COMPUTE_DTYPE)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight.packed, weight.group_size, weight.scale_offset)
     n = weight.out_features
-    out_dtype = out_dtype or x.dtype
     if weight.num_splits == 2:  # W8: the two nibble halves, added in fp32 (the high one is ~16x larger)
         y = y[:, :n].to(torch.float32) + y[:, n:]
     if bias is not None:
         y = y + bias
-    return y.to(out_dtype).reshape(*shape[:-1], n)
+    out_dtype = out_dtype or x.dtype
+    if y.dtype != out_dtype:
+        y = y.to(out_dtype)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)

@@ -63,7 +63,7 @@ def gather_blocks(kv: PagedKV, blocks: torch.Tensor, num_seqs: int,
         if kv.is_int8:
             x = dequantize_kv_int8(x, _gather_rows(scale, blocks, num_seqs), _gather_rows(zero, blocks, num_seqs),
                                    dtype)
-        out.append(x.to(dtype))
+        out.append(x if x.dtype == dtype else x.to(dtype))
     return out[0], out[1]
 
 
@@ -166,9 +166,13 @@ def paged_attention_decode(q: torch.Tensor, kv: PagedKV, block_tables: torch.Ten
     for g in groups:
         n = g.blocks.numel() // g.num_blocks
         k, v = gather_blocks(kv, g.blocks, n, torch.float32)
-        qf = q[g.seqs].to(torch.float32).reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        qf = q if out is None else q[g.seqs]
+        qf = (qf if qf.dtype == torch.float32 else qf.to(torch.float32)).reshape(n, num_kv_heads,
+                                                                                 num_heads // num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(qf, k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask, scale=scale)
-        o = o.reshape(n, num_heads, head_dim).to(q.dtype)
+        o = o.reshape(n, num_heads, head_dim)
+        if o.dtype != q.dtype:
+            o = o.to(q.dtype)
         if out is None:
             return o
         out[g.seqs] = o

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -67,6 +68,14 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity; ``os.cpu_count()`` where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def cpu_auto_dtype(quantized: bool) -> torch.dtype:
     """What ``dtype="auto"`` means on a CPU: bf16 for a 4-/8-bit checkpoint where torch's CPU int4 GEMM runs
     (its fast path takes bf16 activations, and the weights then stay low-bit: ``kernels/cpu_lowbit.py``)
@@ -114,6 +123,9 @@ class EngineConfig:
         embedding_on_host: on CUDA, keep the input embedding table in host memory (only rows
             are gathered, 8 KiB per token over PCIe) to give its GPU memory to the KV cache.
             None = yes unless it is tied to the LM head (which needs it on the GPU).
+        threads: CPU threads of the engine's torch ops (``torch.set_num_threads``, set when a CPU engine
+            starts); None = ``OMP_NUM_THREADS`` when set, else the cores this process may run on
+            (``os.sched_getaffinity``).
     """
 
     model: str
@@ -136,6 +148,7 @@ class EngineConfig:
     quantization: str | None = None
     skip_tokenizer_init: bool = False
     embedding_on_host: bool | None = None
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -160,6 +173,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ValueError(f"threads must be a positive number of CPU threads or None (all usable cores), "
+                             f"got {self.threads!r}")
         self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
         self.max_vram = parse_bytes(self.max_vram)
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:

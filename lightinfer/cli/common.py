@@ -26,8 +26,9 @@ def add_parser(subparsers: Any, name: str, summary: str, description: str | None
 def add_engine_args(p: argparse.ArgumentParser, kv_cache_dtype: str = "auto") -> None:
     """The :class:`lightinfer.config.EngineConfig` flags every command that starts an engine takes."""
     p.add_argument("--dtype", default="auto",
-                   help="weights and activations: auto, float32, float16 or bfloat16 (auto: float32 on CPU, "
-                        "bfloat16 or float16 on GPUs)")
+                   help="activations: auto, float32, float16 or bfloat16 (auto: on a CPU bfloat16 for a 4-/8-bit "
+                        "model, whose weights then stay low-bit, float32 for a dense one; bfloat16 or float16 on "
+                        "GPUs)")
     p.add_argument("--device", default="auto", help="auto (cuda when there is a GPU), cpu, cuda or cuda:N")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's, at most 8192)")
@@ -44,6 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser, kv_cache_dtype: str = "auto") ->
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse the KV blocks of shared prompt prefixes")
     p.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the engine's computation (default: the cores this process may use)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -55,7 +58,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "gpu_memory_utilization": args.gpu_memory_utilization, "max_vram": args.max_vram,
         "kv_cache_memory_bytes": args.kv_cache_memory, "enable_prefix_caching": not args.no_prefix_caching,
-        "enforce_eager": args.enforce_eager,
+        "enforce_eager": args.enforce_eager, "threads": getattr(args, "threads", None),
         "load_format": "dummy" if getattr(args, "dummy_weights", False) else "auto",
         "quantization": getattr(args, "quantization", None),
     }

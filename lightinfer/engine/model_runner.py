@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
-from lightinfer.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
+from lightinfer.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig, usable_cores
 from lightinfer.dummy_weights import init_dummy_weights
 from lightinfer.engine.cpu_malloc import tune_malloc_for_cpu_inference
 from lightinfer.engine.cuda_graph import CudaGraphCaptureError, DecodeGraphRunner, graph_batch_sizes
+from lightinfer.engine.load_progress import LoadProgress
 from lightinfer.engine.memory import (
     available_host_bytes,
     check_host_memory,
@@ -49,27 +51,32 @@ class ModelRunner:
             the numbers and what to change).
     """
 
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, progress: LoadProgress | None = None) -> None:
+        progress = progress or LoadProgress(enabled=False)
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         if self.device.type == "cpu":
             tune_malloc_for_cpu_inference()  # before the large allocations; see cpu_malloc.py
+            if config.threads or "OMP_NUM_THREADS" not in os.environ:  # else torch already follows that variable
+                torch.set_num_threads(config.threads or usable_cores())
         else:  # Triton launches and graph capture use the current device, not the tensors'
             torch.cuda.set_device(self.device)
         hf_config = checkpoint.hf_config
         model_cls = get_model_class(hf_config)
         if self.device.type == "cpu":
             check_host_memory(self._cpu_memory_parts(model_cls, checkpoint), available_host_bytes())
-        with torch.device(self.device):
+        dtype = str(self.dtype).replace("torch.", "")
+        with progress.phase(f"building the model ({dtype} on {self.device})"), torch.device(self.device):
             self.model = model_cls(hf_config, checkpoint.quant_config, self.dtype)
         # module -> how its weights were loaded ("W4 (GPTQ, g128)", "dense"...), for model_info()
         self.weight_formats: dict[str, str] = {}
-        if config.load_format == "dummy":
-            init_dummy_weights(self.model, config.seed)
-        else:
-            self.weight_formats = load_weights(self.model, checkpoint)
-        fuse_model(self.model)  # q/k/v and gate/up as single GEMMs; split-K sums left to the op that follows
+        with progress.phase("loading the weights"):
+            if config.load_format == "dummy":
+                init_dummy_weights(self.model, config.seed)
+            else:
+                self.weight_formats = load_weights(self.model, checkpoint)
+            fuse_model(self.model)  # q/k/v and gate/up as single GEMMs; split-K sums left to the op that follows
         self.model.eval()
         # The input embedding when it lives in host memory on a GPU engine (rows gathered there).
         self.host_embedding: VocabEmbedding | None = None
@@ -87,13 +94,16 @@ class ModelRunner:
             # Each linear prepared once for the CPU GEMM (4-/8-bit ones stay low-bit with 16-bit activations);
             # not when another backend is forced (the Triton path on the interpreter, the reference oracle),
             # which reads the run-time tensors the preparation replaces.
-            self.model.pack_for_cpu()
+            with progress.phase("preparing the weights for the CPU"):
+                self.model.pack_for_cpu()
         self.weight_bytes, self.host_weight_bytes = resident_weight_bytes(self.model, self.device)
-        self.num_blocks = self._num_blocks()
-        self._allocate_kv_cache()
+        with progress.phase("allocating the KV cache"):
+            self.num_blocks = self._num_blocks()
+            self._allocate_kv_cache()
         self.graph_runner: DecodeGraphRunner | None = None
         if self._uses_cuda_graphs():
-            self.graph_runner = self._capture_graphs()
+            with progress.phase("capturing the decode CUDA graphs"):
+                self.graph_runner = self._capture_graphs()
 
     def _cpu_memory_parts(self, model_cls: type, checkpoint: Checkpoint) -> dict[str, int]:
         """Host bytes a CPU engine will hold, by part, from the model built on the meta device."""

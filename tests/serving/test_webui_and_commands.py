@@ -73,3 +73,28 @@ def test_demo_quantizes_once_then_reuses(tmp_path: Path, monkeypatch: pytest.Mon
     assert commands.ensure_quantized() == first and len(calls) == 1  # cached: no second run
     commands.ensure_quantized(requantize=True)
     assert len(calls) == 2
+
+
+def test_demo_serves_the_gguf_unless_awq_is_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    served = []
+    monkeypatch.setattr(commands, "check_port_free", lambda host, port: None)
+    monkeypatch.setattr(commands, "ensure_embedded_model", lambda: None)
+    monkeypatch.setattr(commands, "ensure_quantized", lambda requantize=False: Path("/cache/awq"))
+    monkeypatch.setattr(commands, "run_serve", lambda args: served.append(args.model) or 0)
+    assert commands.run_demo(_parse(["demo"])) == 0 and served == ["smollm2-135m-instruct"]  # 4-bit, no AWQ minutes
+    commands.run_demo(_parse(["demo", "--awq"]))
+    assert served[-1] == "/cache/awq"
+
+
+def test_ui_queue_does_not_poll_every_millisecond() -> None:
+    """Gradio's queue polls 1,000 times a second when idle (3-10% of a core for a server nobody uses)."""
+    import gradio as gr
+
+    from lightinfer.webui.app import PROGRESS_POLL_S, QUEUE_POLL_S, quiet_when_idle
+
+    with gr.Blocks() as demo:
+        gr.Markdown("x")
+    demo.queue()
+    assert demo._queue.sleep_when_free < QUEUE_POLL_S  # what Gradio does by default, off Windows
+    quiet_when_idle(demo)
+    assert demo._queue.sleep_when_free >= 0.05 and demo._queue.progress_update_sleep_when_free >= PROGRESS_POLL_S
