@@ -6,7 +6,8 @@ Measures, in one run (so every baseline shares the GPU's state):
 * W4A16 GEMM on the Llama-2-7B and Llama-3-8B linear shapes (qkv, o, gate_up, down) for every M
   in ``M_VALUES``: our launcher (auto path, tuned where ``kernels/configs`` has this GPU) and each forced
   path (``swap_ab`` at its built-in tile; at ``F32_DECODE_M`` tiled and swap_ab also with the fp32 weight
-  decode, ``*_f32decode_us``), torch fp16 matmul (cuBLAS)
+  decode, ``*_f32decode_us``; at ``FRACZERO_M`` the auto launch with fractional zero points, GGUF Q4_1 /
+  Q4_K's exact decode, ``ours_fraczero_us``), torch fp16 matmul (cuBLAS)
   on the dense weight, and AutoAWQ's Triton GEMM when ``.oracle/`` holds autoawq 0.2.9
   (``pip download --no-deps autoawq==0.2.9 -d .oracle`` and unpack; never committed);
 * paged-attention decode, batch x context in ``ATTN_BATCHES`` x ``ATTN_CONTEXTS``, fp16 and INT8
@@ -39,6 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 M_VALUES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 F32_DECODE_M = (16, 64)  # also time tiled / swap_ab with the fp32 weight decode (LIGHTINFER_F16_DECODE=0) here
+FRACZERO_M = (1, 16, 64)  # also time the auto launch with fractional zero points (integer_zeros=False) here
 GROUP_SIZE = 128
 # (model, layer) -> (K, N): y[M, N] = x[M, K] @ W[K, N]
 LINEAR_SHAPES: dict[str, tuple[int, int]] = {
@@ -123,6 +125,7 @@ def bench_gemm(quick: bool, oracle_dir: Path, m_values: list[int]) -> list[dict[
         w_bytes = n * k // 2 + 2 * 2 * (k // GROUP_SIZE) * n
         nw4 = copies_for(w_bytes)
         w4_sets = [(qweight, scales, zeros)] + [(qweight.clone(), scales.clone(), zeros.clone()) for _ in range(nw4 - 1)]
+        frac_sets = [(q, s, z + 0.5) for q, s, z in w4_sets]  # fractional zero points (as GGUF Q4_1 / Q4_K)
         nfp = copies_for(2 * n * k)
         fp_sets = [w_dense] + [w_dense.clone() for _ in range(nfp - 1)]
         awq_sets = ([awq_args] + [tuple(t.clone() for t in awq_args) for _ in range(nw4 - 1)]) if awq_args else []
@@ -136,21 +139,25 @@ def bench_gemm(quick: bool, oracle_dir: Path, m_values: list[int]) -> list[dict[
                                    "bytes_w4": w_bytes + io_bytes, "bytes_fp16": 2 * n * k + io_bytes,
                                    "weight_copies": [nw4, nfp]}
             want = torch.nn.functional.linear(x, w_dense)
-            row["rel_err"] = float((wg.w4a16_gemm(x, qweight, scales, zeros).float() - want.float()).norm()
-                                   / want.float().norm())
-            row["ours_us"] = bench_us(lambda x=x, ws=w4_sets: [wg.w4a16_gemm(x, *w) for w in ws], quick, nw4)
+            row["rel_err"] = float((wg.w4a16_gemm(x, qweight, scales, zeros, integer_zeros=True).float()
+                                    - want.float()).norm() / want.float().norm())
+            row["ours_us"] = bench_us(lambda x=x, ws=w4_sets: [wg.w4a16_gemm(x, *w, integer_zeros=True) for w in ws],
+                                      quick, nw4)
+            if m in FRACZERO_M:  # the same launch, exact for fractional zeros: no fp16 pairs, one FADD more per weight
+                row["ours_fraczero_us"] = bench_us(lambda x=x, ws=frac_sets: [wg.w4a16_gemm(x, *w) for w in ws],
+                                                   quick, nw4)
             if row["tuned"]:  # the built-in launch, for the gain of tuning (kernels/configs/w4a16_<device>.json)
-                row["builtin_us"] = bench_us(lambda x=x, ws=w4_sets, la=builtin: [wg.w4a16_gemm_path(x, *w, launch=la)
-                                                                                for w in ws], quick, nw4)
+                row["builtin_us"] = bench_us(lambda x=x, ws=w4_sets, la=builtin: [
+                    wg.w4a16_gemm_path(x, *w, launch=la, integer_zeros=True) for w in ws], quick, nw4)
             for path in ("gemv", "tiled", "swap_ab", "dequant"):
                 if (path == "gemv" and m > 16) or (path == "swap_ab" and m > 256):
                     continue
-                row[f"{path}_us"] = bench_us(lambda x=x, p=path, ws=w4_sets: [wg.w4a16_gemm_path(x, *w, path=p) for w in ws],
-                                            quick, nw4)
+                row[f"{path}_us"] = bench_us(lambda x=x, p=path, ws=w4_sets: [
+                    wg.w4a16_gemm_path(x, *w, path=p, integer_zeros=True) for w in ws], quick, nw4)
                 if path in ("tiled", "swap_ab") and m in F32_DECODE_M:  # this GPU's gain of the fp16 pair decode
                     with switches.override(f16_decode=False):
-                        row[f"{path}_f32decode_us"] = bench_us(
-                            lambda x=x, p=path, ws=w4_sets: [wg.w4a16_gemm_path(x, *w, path=p) for w in ws], quick, nw4)
+                        row[f"{path}_f32decode_us"] = bench_us(lambda x=x, p=path, ws=w4_sets: [
+                            wg.w4a16_gemm_path(x, *w, path=p, integer_zeros=True) for w in ws], quick, nw4)
             row["cublas_fp16_us"] = bench_us(lambda x=x, ws=fp_sets: [torch.nn.functional.linear(x, w) for w in ws], quick, nfp)
             if awq_sets:
                 try:
@@ -255,10 +262,12 @@ def bench_decode_chain(quick: bool, num_layers: int = 32) -> dict[str, Any]:
     def step() -> torch.Tensor:
         h, res = nr.rms_norm(x0, norm_w, 1e-5), x0
         for layer in layers:
-            attn_out = wg.w4a16_gemm(h, *layer["qkv"])[:, :hidden].contiguous()  # a stand-in for attention
-            h, res = nr.fused_add_rms_norm(wg.w4a16_gemm(attn_out, *layer["o"], defer_reduce=True), res, norm_w, 1e-5)
-            act = nr.silu_and_mul(wg.w4a16_gemm(h, *layer["gate_up"], defer_reduce=True))
-            h, res = nr.fused_add_rms_norm(wg.w4a16_gemm(act, *layer["down"], defer_reduce=True), res, norm_w, 1e-5)
+            attn_out = wg.w4a16_gemm(h, *layer["qkv"], integer_zeros=True)[:, :hidden].contiguous()  # attention stand-in
+            h, res = nr.fused_add_rms_norm(wg.w4a16_gemm(attn_out, *layer["o"], defer_reduce=True, integer_zeros=True),
+                                           res, norm_w, 1e-5)
+            act = nr.silu_and_mul(wg.w4a16_gemm(h, *layer["gate_up"], defer_reduce=True, integer_zeros=True))
+            h, res = nr.fused_add_rms_norm(wg.w4a16_gemm(act, *layer["down"], defer_reduce=True, integer_zeros=True),
+                                           res, norm_w, 1e-5)
         return h
 
     weight_bytes = sum(t.numel() * t.element_size() for layer in layers for w in layer.values() for t in w)

@@ -253,7 +253,7 @@ def tune_shape_m(
 
     def check(launch: Any) -> str | None:
         try:
-            got = wg.w4a16_gemm_path(x, qweight, scales, zeros, launch=launch).float()
+            got = wg.w4a16_gemm_path(x, qweight, scales, zeros, launch=launch, integer_zeros=True).float()
             if x.is_cuda:
                 torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - does not compile or launch: reported as the reason
@@ -262,7 +262,10 @@ def tune_shape_m(
         return None if err <= MAX_REL_ERR else f"relative error {err:.2e} against the reference"
 
     def timed(final: bool) -> TimeFn:
-        return lambda launch: timer(lambda: [wg.w4a16_gemm_path(x, *w, launch=launch) for w in sets], final)
+        # Integer zeros (AWQ, GPTQ, ...): the decode the launches were built around. A launch serves fractional
+        # zeros too (the flag changes the decode, not the launch), untimed here.
+        return lambda launch: timer(lambda: [wg.w4a16_gemm_path(x, *w, launch=launch, integer_zeros=True)
+                                             for w in sets], final)
 
     return tune_one(m, k, group_size, default, timed(False), check, timed(True), log)
 

@@ -7,7 +7,8 @@ The public surface (what layers, models and the engine import; importing it does
 * :func:`get_backend`, :data:`BACKEND_NAMES`, :data:`OP_NAMES`: the ``triton``, ``torch_cpu`` and
   ``reference`` op backends (``backends.py``); :mod:`switches` for the ``LIGHTINFER_*`` kernel switches.
 * The W4 run-time weight layout (``w4_layout.py``): :func:`repack_awq_to_runtime`, :func:`dequantize_w4`,
-  :func:`pack_awq`, :func:`unpack_awq`, :func:`pack_int4_rows`, :func:`unpack_int4_rows`; the W8 one's :func:`dequantize_w8` (``reference.py``).
+  :func:`pack_awq`, :func:`unpack_awq`, :func:`pack_int4_rows`, :func:`unpack_int4_rows`, :func:`zeros_are_integers`;
+  the W8 one's :func:`dequantize_w8` (``reference.py``).
 * :func:`decode_workspace_bytes`: the memory a split paged-attention decode allocates.
 * Low-bit weights on the CPU (``cpu_lowbit.py``): :func:`prepare_w4_cpu` / :func:`prepare_w8_cpu` turn a W4 / W8
   run-time weight into a :class:`CpuQuantWeight` once, :func:`cpu_quant_linear` multiplies by it.
@@ -36,6 +37,7 @@ from .w4_layout import (
     repack_awq_to_runtime,
     unpack_awq,
     unpack_int4_rows,
+    zeros_are_integers,
 )
 
 __all__ = [
@@ -59,4 +61,5 @@ __all__ = [
     "switches",
     "unpack_awq",
     "unpack_int4_rows",
+    "zeros_are_integers",
 ]

@@ -20,6 +20,7 @@ from .split_k import SplitKPartials
 from .w4_layout import (
     AWQ_ORDER,
     AWQ_REVERSE_ORDER,
+    check_integer_zeros,
     dequantize_w4,
     pack_awq,
     pack_int4_rows,
@@ -45,11 +46,19 @@ def w4a16_gemm(
     zeros: torch.Tensor,
     bias: torch.Tensor | None = None,
     defer_reduce: bool = False,
+    integer_zeros: bool = False,
 ) -> torch.Tensor:
     """``y[M, N] = x[M, K] @ dequant(W)[K, N] (+ bias)``, accumulated in fp32, returned in ``x.dtype``.
 
     ``defer_reduce`` is accepted for the shared signature; K is never split here, so y is always a tensor.
+    ``integer_zeros`` changes nothing here (every zero point is subtracted in fp32) but is held to account:
+    the Triton kernels take a cheaper decode on that promise, which would round a fractional zero point.
+
+    Raises:
+        ValueError: ``integer_zeros=True`` and a zero point with a fraction.
     """
+    if integer_zeros:
+        check_integer_zeros(zeros)
     w = dequantize_w4(qweight, scales, zeros).to(torch.float32)  # [N, K]
     y = x.to(torch.float32) @ w.t()
     if bias is not None:

@@ -8,12 +8,21 @@ So decoding a weight costs one LOP3 and one FADD: no shift, bit-field extract or
 conversion. The float mantissa has 23 bits, so nibbles 0-4 are read in place and 5-7 after one
 shift of the word by 12. ``python -m lightinfer.kernels.audit.sass_stats`` counts the result.
 
+That single FADD is exact only for an integer zero point: ``2^(23 - p) + z`` has a mantissa unit of
+``2^-p``, so a fractional z (GGUF Q4_1 / Q4_K: ``z = -m / d``) would lose its low bits (at ``p = 0``,
+all of its fraction). Every decode therefore takes an ``INTEGER_ZEROS`` constexpr: True (AWQ, GPTQ,
+compressed-tensors, Q4_0; what the launcher is promised) keeps the one FADD; False subtracts the bias
+and then z, two FADDs, each exact (``2^(23 - p) + q - 2^(23 - p)`` is the integer q, and ``q - z`` is
+rounded only by fp32 itself, as in the reference dequantization).
+
 The tensor-core kernels with fp16 activations decode two weights per instruction instead
 (:func:`unpack_minus_zero_f16`): the same exponent trick on both 16-bit halves of a register gives an
 fp16 pair, which is the MMA operand's own format. Triton does 16-bit integer work one element at a
 time (an ``and``/``or`` per weight and PRMTs to pack the pairs: tried, 7.0 instructions per weight), so
 the pair decode is nine PTX instructions per word in ``tl.inline_asm_elementwise``
 (:func:`decode_minus_zero` picks the decode, :func:`scale_rows` applies the scale in the same precision).
+Its one HADD2 subtracts ``1024 + z``, whose fp16 unit is 1: integer zeros only (fractional zeros take the
+fp32 decode; the launcher decides, ``w4a16_gemm.f16_decode``).
 """
 
 from __future__ import annotations
@@ -30,9 +39,10 @@ NIBBLE_MASK = 15
 
 
 @triton.jit
-def unpack_minus_zero(words, z, nibble_mask, BLOCK_K: tl.constexpr):
+def unpack_minus_zero(words, z, nibble_mask, BLOCK_K: tl.constexpr, INTEGER_ZEROS: tl.constexpr):
     """int32 words ``[R, BLOCK_K // 8]``, zero points ``z [R]`` -> exact fp32 ``q - z`` ``[R, BLOCK_K]``
-    (k = 8 j + i: nibble i of word j).
+    (k = 8 j + i: nibble i of word j). ``INTEGER_ZEROS``: every z is an integer (one FADD per weight);
+    False: any z (two, see the module docstring).
 
     ``tl.interleave`` (join + reshape) keeps the copies of a word in the thread that loaded it, so
     unpacking needs no shuffles or shared memory (a 3-D ``[R, W, 8]`` broadcast spreads the nibble
@@ -57,7 +67,11 @@ def unpack_minus_zero(words, z, nibble_mask, BLOCK_K: tl.constexpr):
     exp_bits = (150 - bit) << 23  # biased exponent of 2^(23 - bit)
     bits = ((rep >> pre[None, :]) & (nibble_mask << bit)[None, :]) | exp_bits[None, :]
     base = (exp_bits + 0).to(tl.float32, bitcast=True)  # 2^(23 - bit)
-    return bits.to(tl.float32, bitcast=True) - (base[None, :] + z[:, None])
+    if INTEGER_ZEROS:
+        qz = bits.to(tl.float32, bitcast=True) - (base[None, :] + z[:, None])
+    else:  # base + z would round z's fraction away: q first (exact), then q - z
+        qz = (bits.to(tl.float32, bitcast=True) - base[None, :]) - z[:, None]
+    return qz
 
 
 # Word w (nibble i = code of k = 8j + i: byte b holds k = 2b in bits 0-3, k = 2b + 1 in bits 4-7) -> four fp16
@@ -84,8 +98,9 @@ F16_PAIR_DECODE_PTX = tl.constexpr(_pair_decode_ptx())
 
 @triton.jit
 def unpack_minus_zero_f16(words, z, BLOCK_K: tl.constexpr, USE_PTX: tl.constexpr):
-    """int32 words ``[R, BLOCK_K // 8]``, zero points ``z [R]`` (any float dtype, integers 0..15) -> exact fp16
-    ``q - z`` ``[R, BLOCK_K]`` (k = 8 j + i: nibble i of word j), two weights per instruction.
+    """int32 words ``[R, BLOCK_K // 8]``, zero points ``z [R]`` (any float dtype, integers 0..15 only: a fraction
+    is rounded away) -> exact fp16 ``q - z`` ``[R, BLOCK_K]`` (k = 8 j + i: nibble i of word j), two weights per
+    instruction.
 
     With ``USE_PTX`` (a GPU; sm_53+ for the fp16 pair subtract) a shift, four PRMT and four LOP3 per word give
     the eight codes as fp16 ``1024 + q`` (:data:`F16_PAIR_DECODE_PTX`); one HADD2 per pair subtracts
@@ -108,13 +123,15 @@ def unpack_minus_zero_f16(words, z, BLOCK_K: tl.constexpr, USE_PTX: tl.constexpr
 
 
 @triton.jit
-def decode_minus_zero(words, z, nibble_mask, BLOCK_K: tl.constexpr, F16_DECODE: tl.constexpr, USE_PTX: tl.constexpr):
+def decode_minus_zero(words, z, nibble_mask, BLOCK_K: tl.constexpr, F16_DECODE: tl.constexpr, USE_PTX: tl.constexpr,
+                      INTEGER_ZEROS: tl.constexpr):
     """Exact ``q - z`` ``[R, BLOCK_K]`` of int32 words ``[R, BLOCK_K // 8]``: fp16 pairs with ``F16_DECODE``
-    (:func:`unpack_minus_zero_f16`), else fp32 (:func:`unpack_minus_zero`)."""
+    (:func:`unpack_minus_zero_f16`; integer zeros only), else fp32 (:func:`unpack_minus_zero`)."""
+    tl.static_assert(INTEGER_ZEROS or not F16_DECODE, "the fp16 pair decode rounds fractional zero points")
     if F16_DECODE:
         qz = unpack_minus_zero_f16(words, z, BLOCK_K, USE_PTX)
     else:
-        qz = unpack_minus_zero(words, z, nibble_mask, BLOCK_K)
+        qz = unpack_minus_zero(words, z, nibble_mask, BLOCK_K, INTEGER_ZEROS)
     return qz
 
 
@@ -140,11 +157,16 @@ def split_columns_mod4(x):
 
 
 @triton.jit
-def nibble_minus_zero(src, mask, c, BIT: tl.constexpr):
+def nibble_minus_zero(src, mask, c, z, BIT: tl.constexpr, INTEGER_ZEROS: tl.constexpr):
     """``q - z`` (exact fp32) of the nibble at bits ``BIT..BIT+3`` of every int32 in ``src [R, W]``;
-    ``mask = 15 << BIT``, ``c [R] = 2^(23 - BIT) + z`` (see :func:`unpack_minus_zero`)."""
+    ``mask = 15 << BIT``. ``INTEGER_ZEROS``: ``c [R] = 2^(23 - BIT) + z`` (one FADD; ``z`` unused); else
+    ``c = 2^(23 - BIT)`` (a scalar) and ``z [R]`` subtracted after it (see :func:`unpack_minus_zero`)."""
     bits = (src & mask) | ((150 - BIT) << 23)
-    return bits.to(tl.float32, bitcast=True) - c[:, None]
+    if INTEGER_ZEROS:
+        qz = bits.to(tl.float32, bitcast=True) - c[:, None]
+    else:
+        qz = (bits.to(tl.float32, bitcast=True) - c) - z[:, None]
+    return qz
 
 
 @triton.jit

@@ -5,7 +5,8 @@ Run-time layout (converted once at load time from AutoAWQ's disk layout by :func
     qweight  int32   [N, K // 8]   row n holds output channel n; nibble i (bits 4i..4i+3)
                                    of word j is the 4-bit code of input k = 8 j + i
     scales   fp16/bf16 [K // G, N]
-    zeros    fp16/bf16 [K // G, N] the integer zero point z, stored as a float
+    zeros    fp16/bf16 [K // G, N] the zero point z as a float: an integer (AWQ, GPTQ, compressed-tensors,
+                                   GGUF Q4_0) or not (GGUF Q4_1 / Q4_K: -m / d); :func:`zeros_are_integers`
     w[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]
 
 Packing along K keeps each output row contiguous, which is what a GEMV reads. AutoAWQ's "gemm" disk
@@ -103,3 +104,17 @@ def dequantize_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     z = zeros.t().to(torch.float32).repeat_interleave(group_size, dim=1)
     assert codes.shape == (n, k)
     return ((codes - z) * s).to(scales.dtype)
+
+
+def zeros_are_integers(zeros: torch.Tensor) -> bool:
+    """Whether every zero point in ``zeros`` (any float dtype and device; a host sync on a GPU) is an integer:
+    what the W4 kernels' cheaper decode needs (``w4a16_gemm(..., integer_zeros=True)``)."""
+    return bool(torch.equal(zeros, zeros.round()))
+
+
+def check_integer_zeros(zeros: torch.Tensor) -> None:
+    """Raises ValueError unless every zero point is an integer (for callers that promised ``integer_zeros``)."""
+    if not zeros_are_integers(zeros):
+        frac = zeros[zeros != zeros.round()]
+        raise ValueError(f"w4a16_gemm: integer_zeros=True, but {frac.numel()} zero points have a fraction (e.g. "
+                         f"{float(frac[0]):g}); pass integer_zeros=False, which is exact for any zero point")

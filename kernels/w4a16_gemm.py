@@ -3,8 +3,15 @@
 Weights are in the run-time layout of :mod:`lightinfer.kernels.w4_layout`::
 
     qweight int32 [N, K // 8]   nibble i of word j of row n = code of (k = 8 j + i, n)
-    scales  [K // G, N], zeros [K // G, N] (integer zero point as a float)
+    scales  [K // G, N], zeros [K // G, N] (zero point as a float: integer for AWQ / GPTQ / compressed-tensors /
+                                            GGUF Q4_0, fractional for GGUF Q4_1 / Q4_K)
     w[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]
+
+Every path subtracts the zero point exactly, fractional or not (:data:`FRACTIONAL_ZEROS`). A caller that knows
+its zeros are integers says so (``integer_zeros=True``, what ``W4A16Linear`` works out at load): the kernels
+then decode ``q - z`` with one FADD per weight, or with fp16 activations as fp16 pairs, one HADD2 per two
+weights. Otherwise they subtract in fp32 in two steps, one FADD more per weight and no fp16 pairs
+(:mod:`.w4_decode` says why). The flag is a constexpr: the integer-zero kernels are compiled as before.
 
 Four paths. On a GPU model with a tuned file (``kernels/configs/w4a16_<device>.json``, written by
 ``bench/tune_w4a16.py``, read by :mod:`.w4a16_tuning`) the path, tile, pipeline depth and split-K of each
@@ -13,12 +20,14 @@ picked by M (``GEMV_MAX_M`` / ``TILED_MAX_M``; ``swap_ab`` only from a tuned fil
 
 * ``gemv``   (decode, M tiny): memory-bound. Each program owns ``BLOCK_N`` output rows and a
   slice of the K groups (split-K). It works on the packed words one nibble position at a time:
-  per weight one LOP3 and one FADD decode ``q - z`` exactly (:func:`unpack_minus_zero` says how)
-  and one FFMA per row of x accumulates it; the scale is applied once per group and row.
+  per weight one LOP3 and one FADD (two for fractional zeros) decode ``q - z`` exactly
+  (:func:`unpack_minus_zero` says how) and one FFMA per row of x accumulates it; the scale is applied
+  once per group and row.
 * ``tiled``  (M up to a few hundred): tensor cores. ``[BLOCK_N, BLOCK_K]`` weight tiles are
   dequantized in registers and fed to ``tl.dot`` with fp32 accumulation; split-K when the
-  M x N grid alone would leave SMs idle. With fp16 activations the weights are decoded as fp16
-  pairs, two per instruction (:func:`.w4_decode.unpack_minus_zero_f16`; also ``swap_ab`` and ``dequant``).
+  M x N grid alone would leave SMs idle. With fp16 activations and integer zeros the weights are decoded
+  as fp16 pairs, two per instruction (:func:`.w4_decode.unpack_minus_zero_f16`; also ``swap_ab`` and
+  ``dequant``).
 * ``swap_ab`` (small M on Hopper): the same tensor-core kernel with the operands swapped, the weight tile
   as the MMA's A operand (from registers) and the tokens as its N (:mod:`.w4a16_tiled`).
 * ``dequant`` (large M, compute-bound): dequantize W once into a dense ``[N, K]`` tensor with a
@@ -62,6 +71,7 @@ from .w4_decode import (
     split_columns_mod4,
     store_output,
 )
+from .w4_layout import check_integer_zeros
 from .w4a16_tiled import w4a16_tiled_kernel
 from .w4a16_tuning import W4Launch, check_launch, tuned_launch
 
@@ -77,6 +87,9 @@ MAX_SPLIT_K = 16
 GEMV_FORCED_MAX_M = 16  # the GEMV unrolls over rows: beyond this (forced by tests/bench only) it is pointless
 GEMV_WAVES = 8  # GEMV programs are small and latency-bound: keep many per SM (H200 sweep: more splits won)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
+# Every path subtracts a fractional zero point exactly (``integer_zeros=False``, the default). The GGUF loader
+# reads this to put Q4_1 / Q4_K tensors (z = -m / d) on the W4 kernels (lightinfer/formats/gguf_load.py).
+FRACTIONAL_ZEROS = True
 
 
 @dataclass(frozen=True)
@@ -169,7 +182,7 @@ def w4a16_gemv_kernel(
     M, N, stride_xm, stride_qn, stride_sg, stride_ym, stride_ys, num_groups, groups_per_split, nibble_mask,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, INTEGER_ZEROS: tl.constexpr = False,
 ):
     # Works on the packed words themselves, one nibble position at a time: no unpacked
     # [BLOCK_N, GROUP_SIZE] tile, and each (row, word) accumulates its 8 products in one FFMA
@@ -204,7 +217,10 @@ def w4a16_gemv_kernel(
         w = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (g * WORDS + offs_w)[None, :],
                     mask=n_mask[:, None], other=0)  # [BLOCK_N, WORDS]
         hi = w >> 12  # nibbles 5-7 at bits 8..19
-        c0, c4, c8, c12, c16 = z + 8388608.0, z + 524288.0, z + 32768.0, z + 2048.0, z + 128.0
+        if INTEGER_ZEROS:  # c = 2^(23 - bit) + z: one FADD per weight
+            c0, c4, c8, c12, c16 = z + 8388608.0, z + 524288.0, z + 32768.0, z + 2048.0, z + 128.0
+        else:  # c = 2^(23 - bit), z subtracted after it (w4_decode: base + z would round z)
+            c0, c4, c8, c12, c16 = 8388608.0, 524288.0, 32768.0, 2048.0, 128.0
         for m in tl.static_range(BLOCK_M):
             xg = tl.load(x_ptr + m * stride_xm + g * GROUP_SIZE + offs_w[:, None] * 8 + offs_i[None, :],
                          mask=(offs_w[:, None] * 0 + m) < M, other=0.0).to(tl.float32)  # [WORDS, 8]
@@ -213,14 +229,14 @@ def w4a16_gemv_kernel(
             x1, x5 = tl.split(x15)
             x2, x6 = tl.split(x26)
             x3, x7 = tl.split(x37)
-            t = nibble_minus_zero(w, nibble_mask, c0, 0) * x0[None, :]
-            t += nibble_minus_zero(w, m4, c4, 4) * x1[None, :]
-            t += nibble_minus_zero(w, m8, c8, 8) * x2[None, :]
-            t += nibble_minus_zero(w, m12, c12, 12) * x3[None, :]
-            t += nibble_minus_zero(w, m16, c16, 16) * x4[None, :]
-            t += nibble_minus_zero(hi, m8, c8, 8) * x5[None, :]
-            t += nibble_minus_zero(hi, m12, c12, 12) * x6[None, :]
-            t += nibble_minus_zero(hi, m16, c16, 16) * x7[None, :]
+            t = nibble_minus_zero(w, nibble_mask, c0, z, 0, INTEGER_ZEROS) * x0[None, :]
+            t += nibble_minus_zero(w, m4, c4, z, 4, INTEGER_ZEROS) * x1[None, :]
+            t += nibble_minus_zero(w, m8, c8, z, 8, INTEGER_ZEROS) * x2[None, :]
+            t += nibble_minus_zero(w, m12, c12, z, 12, INTEGER_ZEROS) * x3[None, :]
+            t += nibble_minus_zero(w, m16, c16, z, 16, INTEGER_ZEROS) * x4[None, :]
+            t += nibble_minus_zero(hi, m8, c8, z, 8, INTEGER_ZEROS) * x5[None, :]
+            t += nibble_minus_zero(hi, m12, c12, z, 12, INTEGER_ZEROS) * x6[None, :]
+            t += nibble_minus_zero(hi, m16, c16, z, 16, INTEGER_ZEROS) * x7[None, :]
             part = s * tl.sum(t, axis=1)  # [BLOCK_N]
             acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
     store_output(acc, bias_ptr, y_ptr, offs_m, offs_n, (offs_m[:, None] < M) & n_mask[None, :], n_mask, pid_k,
@@ -232,6 +248,7 @@ def w4_dequant_kernel(
     qw_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_qn, stride_sg, stride_wn, nibble_mask,
     GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_PDL: tl.constexpr = False, F16_DECODE: tl.constexpr = False, USE_PTX: tl.constexpr = False,
+    INTEGER_ZEROS: tl.constexpr = False,
 ):
     pdl_start(USE_PDL)  # before any memory access (kernels/pdl.py)
     # One program: BLOCK_N rows x one group of K -> dense w [N, K] (nn.Linear orientation).
@@ -245,7 +262,7 @@ def w4_dequant_kernel(
     s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     # fp16 output: pairs decoded and scaled two per instruction, the same bits as the fp32 decode
-    w = scale_rows(decode_minus_zero(words, z, nibble_mask, GROUP_SIZE, F16_DECODE, USE_PTX), s,
+    w = scale_rows(decode_minus_zero(words, z, nibble_mask, GROUP_SIZE, F16_DECODE, USE_PTX, INTEGER_ZEROS), s,
                    w_ptr.dtype.element_ty, F16_DECODE)
     offs_k = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
     tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], w.to(w_ptr.dtype.element_ty),
@@ -313,14 +330,17 @@ def tiled_config(m: int, device: torch.device | None = None) -> TiledConfig:
     return next((c for c in configs if c.block_m >= m), configs[-1])
 
 
-def f16_decode(dtype: torch.dtype, scale_dtype: torch.dtype = torch.float16, ptx: bool | None = None) -> dict[str, bool]:
-    """The tensor-core and dequant kernels' decode constexprs for activations (or output) of ``dtype`` and scales of
-    ``scale_dtype``: fp16 pairs (``F16_DECODE``, :func:`.w4_decode.unpack_minus_zero_f16`) when both are fp16 (an
-    fp32 scale would be rounded to fp16 before the multiply), in PTX (``USE_PTX``) unless ``ptx`` says otherwise;
-    by default everywhere but the CPU interpreter. Other dtypes keep the fp32 decode, and so does fp16 with
+def f16_decode(dtype: torch.dtype, scale_dtype: torch.dtype = torch.float16, ptx: bool | None = None, *,
+               integer_zeros: bool = False) -> dict[str, bool]:
+    """The tensor-core and dequant kernels' decode constexprs for activations (or output) of ``dtype``, scales of
+    ``scale_dtype`` and zero points that are all integers (``integer_zeros``) or not: fp16 pairs (``F16_DECODE``,
+    :func:`.w4_decode.unpack_minus_zero_f16`) when both dtypes are fp16 (an fp32 scale would be rounded to fp16
+    before the multiply) and the zeros are integers (the pairs' one HADD2 rounds a fraction away), in PTX
+    (``USE_PTX``) unless ``ptx`` says otherwise; by default everywhere but the CPU interpreter. Everything else
+    keeps the fp32 decode (``INTEGER_ZEROS`` picks its exact form), and so does fp16 with
     ``LIGHTINFER_F16_DECODE=0`` (``switches.py``: for comparing the two on a GPU)."""
-    on = dtype == torch.float16 and scale_dtype == torch.float16 and switches.current().f16_decode
-    return {"F16_DECODE": on, "USE_PTX": not interpreting() if ptx is None else ptx}
+    on = integer_zeros and dtype == torch.float16 and scale_dtype == torch.float16 and switches.current().f16_decode
+    return {"F16_DECODE": on, "USE_PTX": not interpreting() if ptx is None else ptx, "INTEGER_ZEROS": integer_zeros}
 
 
 def pick_path(m: int) -> str:
@@ -345,14 +365,17 @@ def pick_split_k(m: int, n: int, k: int, group_size: int, path: str, device: tor
                     GEMV_WAVES if path == "gemv" else 2)
 
 
-def dequantize_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Run-time layout -> dense ``[N, K]`` weight in ``dtype`` (Triton twin of ``reference.dequantize_w4``)."""
+def dequantize_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype,
+                  integer_zeros: bool = False) -> torch.Tensor:
+    """Run-time layout -> dense ``[N, K]`` weight in ``dtype`` (Triton twin of ``reference.dequantize_w4``);
+    ``integer_zeros`` as in :func:`w4a16_gemm`."""
     w = torch.empty((qweight.shape[0], qweight.shape[1] * 8), dtype=dtype, device=qweight.device)
-    _dequantize_into(w, qweight, scales, zeros)
+    _dequantize_into(w, qweight, scales, zeros, integer_zeros)
     return w
 
 
-def _dequantize_into(w: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+def _dequantize_into(w: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     integer_zeros: bool) -> None:
     """Dequantize into ``w [N, K]`` (row stride free; ``qweight`` rows and ``scales``/``zeros``
     columns may be slices of a larger layer: only the row strides are used)."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
@@ -360,7 +383,8 @@ def _dequantize_into(w: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     grid = (triton.cdiv(n, DEQUANT_BLOCK_N), k // g)
     w4_dequant_kernel[grid](qweight, scales, zeros, w, n, k, qweight.stride(0), scales.stride(0), w.stride(0), NIBBLE_MASK,
                             GROUP_SIZE=g, BLOCK_N=DEQUANT_BLOCK_N, num_warps=DEQUANT_NUM_WARPS,
-                            **f16_decode(w.dtype, scales.dtype), **pdl_launch(w.device), **COMPILE_OPTIONS)
+                            **f16_decode(w.dtype, scales.dtype, integer_zeros=integer_zeros), **pdl_launch(w.device),
+                            **COMPILE_OPTIONS)
 
 
 def dequant_slab_rows(n: int, k: int, elem_bytes: int) -> int:
@@ -371,19 +395,19 @@ def dequant_slab_rows(n: int, k: int, elem_bytes: int) -> int:
 
 
 def _dequant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
+                    bias: torch.Tensor | None, integer_zeros: bool) -> torch.Tensor:
     """Large M: dequantize W slab by slab (one reused buffer) and let cuBLAS multiply each slab."""
     m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
     rows = dequant_slab_rows(n, k, x.element_size())
     b = None if bias is None else bias.to(x.dtype)
     if rows >= n:
-        return torch.nn.functional.linear(x, dequantize_w4(qweight, scales, zeros, x.dtype), b)
+        return torch.nn.functional.linear(x, dequantize_w4(qweight, scales, zeros, x.dtype, integer_zeros), b)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     slab = torch.empty((rows, k), dtype=x.dtype, device=x.device)
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
         w = slab[: n1 - n0]
-        _dequantize_into(w, qweight[n0:n1], scales[:, n0:n1], zeros[:, n0:n1])
+        _dequantize_into(w, qweight[n0:n1], scales[:, n0:n1], zeros[:, n0:n1], integer_zeros)
         y[:, n0:n1] = torch.nn.functional.linear(x, w, None if b is None else b[n0:n1])
     return y
 
@@ -426,14 +450,18 @@ def w4a16_gemm_path(
     split_k: int | None = None,
     launch: W4Launch | None = None,
     defer_reduce: bool = False,
+    integer_zeros: bool = False,
 ) -> torch.Tensor | SplitKPartials:
     """:func:`w4a16_gemm` with the path (``"gemv"|"tiled"|"swap_ab"|"dequant"``), split-K or the whole launch forced
-    (tests, bench, the tuner). Without any, the launch is :func:`choose_launch`'s.
+    (tests, bench, the tuner). Without any, the launch is :func:`choose_launch`'s. The launch does not depend on
+    ``integer_zeros`` (the decode does): tuned launches serve both kinds of zero points.
 
     Raises:
         ValueError: bad inputs (see :func:`w4a16_gemm`) or a launch the kernels cannot run.
     """
     m, n, k, g = _validate(x, qweight, scales, zeros, bias)
+    if integer_zeros and zeros.device.type != "cuda":  # held to account where it is free (no device sync)
+        check_integer_zeros(zeros)
     if m == 0:
         return torch.empty((0, n), dtype=x.dtype, device=x.device)
     if launch is None:
@@ -443,7 +471,7 @@ def w4a16_gemm_path(
     if split_k is not None:
         launch = dataclasses.replace(launch, split_k=split_k)
     if launch.path == "dequant":
-        return _dequant_matmul(x, qweight, scales, zeros, bias)
+        return _dequant_matmul(x, qweight, scales, zeros, bias, integer_zeros)
     if launch.path == "gemv":
         if m > GEMV_FORCED_MAX_M:
             raise ValueError(f"w4a16_gemm: gemv path handles at most {GEMV_FORCED_MAX_M} rows, got M={m}")
@@ -470,13 +498,14 @@ def w4a16_gemm_path(
         w4a16_gemv_kernel[(grid_mn[1], split)](
             x, qweight, scales, zeros, bias_arg, out, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
             n, m * n, num_k_steps, steps_per_split, NIBBLE_MASK, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n,
-            NUM_STAGES=launch.num_stages, **common)
+            NUM_STAGES=launch.num_stages, INTEGER_ZEROS=integer_zeros, **common)
     else:  # tiled / swap_ab: one kernel, the operand order a constexpr (kernels/w4a16_tiled.py)
         swap = launch.path == "swap_ab"
         w4a16_tiled_kernel[(grid_mn[1], grid_mn[0], split) if swap else (grid_mn[0], grid_mn[1], split)](
             x, qweight, scales, zeros, bias_arg, out, m, n, x.stride(0), qweight.stride(0), scales.stride(0),
             n, m * n, num_k_steps, steps_per_split, NIBBLE_MASK, GROUP_SIZE=g, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, UPCAST_DOT=upcast_dot(x.dtype), SWAP_AB=swap, **f16_decode(x.dtype, scales.dtype), **common)
+            BLOCK_K=block_k, UPCAST_DOT=upcast_dot(x.dtype), SWAP_AB=swap,
+            **f16_decode(x.dtype, scales.dtype, integer_zeros=integer_zeros), **common)
     if split == 1:
         return out
     if defer_reduce:
@@ -495,21 +524,26 @@ def w4a16_gemm(
     zeros: torch.Tensor,
     bias: torch.Tensor | None = None,
     defer_reduce: bool = False,
+    integer_zeros: bool = False,
 ) -> torch.Tensor | SplitKPartials:
     """``y[M, N] = x[M, K] @ dequant(W)[K, N] (+ bias)``, fp32 accumulation, returned in ``x.dtype``.
 
     Args:
         x: ``[M, K]`` float16/bfloat16 (float32 accepted for the CPU interpreter), stride 1 along K.
         qweight: int32 ``[N, K // 8]`` contiguous, run-time layout (module docstring).
-        scales, zeros: float ``[K // G, N]`` contiguous, G in 32/64/128. Zero points are integers in
-            0..15 (AWQ's, as ``repack_awq_to_runtime`` makes them); the kernels subtract them exactly
-            but would round a fractional one (not checked: it would need a device sync).
+        scales, zeros: float ``[K // G, N]`` contiguous, G in 32/64/128. Zero points may be fractional
+            (GGUF Q4_1 / Q4_K): every path subtracts them exactly, in fp32.
         bias: optional float ``[N]``.
         defer_reduce: when K is split, return the unreduced :class:`SplitKPartials` for an op that
             sums them as it loads them (``fused_add_rms_norm``, ``silu_and_mul``): one launch less.
+        integer_zeros: the caller knows every zero point is an integer (AWQ, GPTQ, compressed-tensors,
+            Q4_0: ``W4A16Linear.integer_zeros``): the cheaper decode, one FADD per weight or fp16 pairs
+            (module docstring). Checked on the CPU only (a GPU check would need a device sync): there a
+            fraction would be rounded away.
     Returns:
         ``[M, N]`` in ``x.dtype``, or with ``defer_reduce`` and a split K, :class:`SplitKPartials`.
     Raises:
-        ValueError: bad shapes, dtypes, strides or devices (CPU needs ``TRITON_INTERPRET=1``).
+        ValueError: bad shapes, dtypes, strides or devices (CPU needs ``TRITON_INTERPRET=1``), or on the
+            CPU ``integer_zeros=True`` with a fractional zero point.
     """
-    return w4a16_gemm_path(x, qweight, scales, zeros, bias, defer_reduce=defer_reduce)
+    return w4a16_gemm_path(x, qweight, scales, zeros, bias, defer_reduce=defer_reduce, integer_zeros=integer_zeros)

@@ -15,8 +15,9 @@ tile the weights flow through. ``python -m lightinfer.kernels.audit.sass_stats``
 Both: ``BLOCK_K`` divides the group size, so one K step lies in one group (one scale and zero per weight
 row); x and the weight words are software-pipelined (``num_stages``: they feed ``tl.dot``), scales and
 zeros loaded a step ahead (:func:`.w4_decode.k_step_scales`); split-K writes fp32 partials. With fp16
-activations (``F16_DECODE``) the weights are decoded as fp16 pairs, two per instruction
-(:func:`.w4_decode.unpack_minus_zero_f16`; ``USE_PTX`` on a GPU, plain Triton on the interpreter).
+activations and integer zero points (``F16_DECODE``) the weights are decoded as fp16 pairs, two per
+instruction (:func:`.w4_decode.unpack_minus_zero_f16`; ``USE_PTX`` on a GPU, plain Triton on the
+interpreter); fractional zero points (``INTEGER_ZEROS=False``) take the exact fp32 decode.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def w4a16_tiled_kernel(
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr, SWAP_AB: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, F16_DECODE: tl.constexpr = False,
-    USE_PTX: tl.constexpr = False,
+    USE_PTX: tl.constexpr = False, INTEGER_ZEROS: tl.constexpr = False,
 ):
     # Grid (M tiles, N tiles, splits); swapped, (N tiles, M tiles, splits): weight tiles vary fastest, so
     # programs running together share x.
@@ -73,7 +74,7 @@ def w4a16_tiled_kernel(
         words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :],
                         mask=n_mask[:, None], other=0)  # [BLOCK_N, BLOCK_K // 8]
         # [BLOCK_N, BLOCK_K]: q - z, exact; with fp16 activations already fp16, two weights per instruction
-        qz = decode_minus_zero(words, z, nibble_mask, BLOCK_K, F16_DECODE, USE_PTX)
+        qz = decode_minus_zero(words, z, nibble_mask, BLOCK_K, F16_DECODE, USE_PTX, INTEGER_ZEROS)
         # One K step is one group, so for small token tiles the scale waits until after the dot: one
         # multiply per output instead of one per weight, and q - z enters the tensor cores exactly (sm_90,
         # 16 rows: 6.95 -> 6.11 instructions per weight). Larger tiles lose: the extra accumulator costs

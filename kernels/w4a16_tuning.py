@@ -16,6 +16,8 @@ File format (JSON)::
 
 An entry keyed ``"M"`` serves every M above the next smaller key, up to M; above the largest key the
 built-in choice serves. ``us`` / ``default_us`` (the built-in choice in the same run) are informational.
+Launches are timed with integer zero points and serve fractional ones as well: ``integer_zeros`` picks the
+decode inside the kernels, never the launch.
 
 ``LIGHTINFER_W4A16_CONFIGS`` (``switches.py``) overrides the lookup: a path to one such file (used whatever
 the device, the CPU interpreter included: tests), or ``none`` to use the built-in choices everywhere

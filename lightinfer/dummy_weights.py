@@ -66,6 +66,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             module.qweight.view(torch.uint8).random_(0, 256, generator=gen)
             module.scales.uniform_(0.5 * DUMMY_STD / _CODE_STD, 1.5 * DUMMY_STD / _CODE_STD, generator=gen)
             module.zeros.fill_(8.0)
+            module.integer_zeros = True
     norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
     for param in model.parameters():  # deduplicated: a tied head is filled once
         if id(param) not in norms:

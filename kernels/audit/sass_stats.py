@@ -79,7 +79,8 @@ def loop_stats(spec: Any, arch: int, per_thread: float, unit: str, one: tuple[st
 
 
 def collect(arch: int = 90) -> list[dict[str, Any]]:
-    """Hot-loop statistics of the W4A16 GEMV (M=1, 2), tiled and swap-AB kernels and of paged-attention decode."""
+    """Hot-loop statistics of the W4A16 GEMV (M=1, 2), tiled and swap-AB kernels (integer zero points, then
+    fractional ones: ``INTEGER_ZEROS`` in the row's constexprs) and of paged-attention decode."""
     from .specs import attention_specs, w4a16_specs
 
     rows = []
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         ce = r["constexprs"]
         shape = " ".join(f"{k}={ce[k]}" for k in ("GROUP_SIZE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "QUANT") if k in ce)
-        ones = "".join(f" {n}=1" for n in r["specialised_to_1"])
+        ones = "".join(f" {n}=1" for n in r["specialised_to_1"]) + ("" if ce.get("INTEGER_ZEROS", True) else " frac-z")
         print(f"{r['name']:<30} {shape} w={r['num_warps']}{ones:<12} {r['loop_instructions']:>5} instr/iter  "
               f"{r['instructions_per_unit']:>5.2f} per {r['unit']:<10}  regs {r['registers']:>3}  "
               f"{', '.join(f'{k} {v}' for k, v in list(r['opcodes'].items())[:6])}")

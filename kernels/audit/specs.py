@@ -49,10 +49,11 @@ def _spec(name: str, kernel: Any, sig: dict[str, str], ce: dict[str, Any], num_w
 
 
 def w4a16_specs(dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> list[LaunchSpec]:
-    """Every W4A16 kernel variant the launcher can start (per activation dtype)."""
+    """Every W4A16 kernel variant the launcher can start (per activation dtype), for integer zero points (AWQ,
+    GPTQ, ...: ``INTEGER_ZEROS=True``, the fp16 pair decode) and then for fractional ones (GGUF Q4_1 / Q4_K)."""
     wg = w4a16_gemm
     specs: list[LaunchSpec] = []
-    for dt in dtypes:
+    for dt, integer_zeros in [(dt, iz) for iz in (True, False) for dt in dtypes]:
         f = "*" + TRITON_DTYPE[dt]
         base = {"x_ptr": f, "qw_ptr": "*i32", "s_ptr": f, "z_ptr": f, "bias_ptr": f}
         ints = ["M", "N", "stride_xm", "stride_qn", "stride_sg", "stride_ym", "stride_ys"]
@@ -62,7 +63,8 @@ def w4a16_specs(dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> list[Laun
                     sig = {**base, "y_ptr": "*fp32" if split else f, **{i: "i32" for i in ints},
                            "num_groups": "i32", "groups_per_split": "i32", "nibble_mask": "i32"}
                     ce = {"GROUP_SIZE": cfg.group_size, "BLOCK_M": block_m, "BLOCK_N": cfg.rows(block_m),
-                          "NUM_STAGES": cfg.num_stages, "HAS_BIAS": True, "SPLIT": split}
+                          "NUM_STAGES": cfg.num_stages, "HAS_BIAS": True, "SPLIT": split,
+                          "INTEGER_ZEROS": integer_zeros}
                     specs.append(_spec(f"w4a16_gemv[{dt}]", wg.w4a16_gemv_kernel, sig, ce, cfg.num_warps,
                                        cfg.num_stages))
         # The tiled path's configurations, and the swap_ab path's forced defaults (tuned files bring their own).
@@ -78,13 +80,16 @@ def w4a16_specs(dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> list[Laun
                            "num_k_steps": "i32", "steps_per_split": "i32", "nibble_mask": "i32"}
                     ce = {"GROUP_SIZE": g, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": min(block_k, g),
                           "HAS_BIAS": True, "SPLIT": split, "UPCAST_DOT": False, "SWAP_AB": swap,
-                          **wg.f16_decode(dt, dt, ptx=True)}
+                          **wg.f16_decode(dt, dt, ptx=True, integer_zeros=integer_zeros)}
                     specs.append(_spec(f"{name}[{dt}]", w4a16_tiled_kernel, sig, ce, num_warps, num_stages))
         for g in wg.SUPPORTED_GROUP_SIZES:
-            ce = {"GROUP_SIZE": g, "BLOCK_N": wg.DEQUANT_BLOCK_N, **wg.f16_decode(dt, dt, ptx=True)}
+            ce = {"GROUP_SIZE": g, "BLOCK_N": wg.DEQUANT_BLOCK_N,
+                  **wg.f16_decode(dt, dt, ptx=True, integer_zeros=integer_zeros)}
             sig = {"qw_ptr": "*i32", "s_ptr": f, "z_ptr": f, "w_ptr": f, "N": "i32", "K": "i32", "stride_qn": "i32",
                    "stride_sg": "i32", "stride_wn": "i32", "nibble_mask": "i32"}
             specs.append(_spec(f"w4_dequant[{dt}]", wg.w4_dequant_kernel, sig, ce, wg.DEQUANT_NUM_WARPS))
+        if not integer_zeros:
+            continue  # the split-K reduction does not see zero points
         ce = {"HAS_BIAS": True, "BLOCK_N": wg.REDUCE_BLOCK_N}
         sig = {"ws_ptr": "*fp32", "bias_ptr": f, "y_ptr": f, "N": "i32", "num_splits": "i32", "stride_ws": "i32",
                "stride_wm": "i32", "stride_ym": "i32"}

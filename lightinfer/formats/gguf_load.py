@@ -25,11 +25,13 @@ Per tensor (``GGUFFile.tensor_format`` decides the layout when the model is buil
 The token embedding and an untied output head of a quantized type become
 ``QuantizedVocabEmbedding`` / ``QuantizedLMHead`` over a W4/W8 table (tied: the head shares it).
 
-A GPU note: the W4 kernels decode ``q - z`` exactly only for integer zero points (``kernels/w4_decode``
-adds the zero to a power-of-two float bias, whose integer-spaced mantissa rounds a fraction away). So
-on CUDA a Q4_1 / Q4_K tensor (fractional zeros) loads as W8 with the same codes, scales and zeros
-(exact, 1.25 bytes per weight) until ``kernels/w4a16_gemm`` declares ``FRACTIONAL_ZEROS = True``.
-Q4_0 (zero 8) always runs as W4.
+On CUDA too, all three 4-bit types run as W4 (0.5 bytes per weight plus the group's scale and zero):
+the W4 kernels subtract a fractional zero point exactly (``kernels/w4a16_gemm`` declares
+``FRACTIONAL_ZEROS = True``), so what is rounded is only the storage above. A layer whose zeros are all
+integers (Q4_0) is marked ``integer_zeros`` at load and takes the kernels' cheaper decode (fp16 pairs);
+Q4_1 / Q4_K layers, and projections fused with one, take their exact fp32 decode (one more FADD per
+weight). ``fractional_zeros_ok=False`` still loads Q4_1 / Q4_K as W8 with the same codes, scales and
+zeros (exact, 1.25 bytes per weight), and so does CUDA with a kernel package that does not declare it.
 """
 
 from __future__ import annotations
@@ -59,6 +61,12 @@ def w4_kernels_take_fractional_zeros() -> bool:
     except ImportError:  # no Triton: no GPU path either
         return False
     return bool(getattr(w4a16_gemm, "FRACTIONAL_ZEROS", False))
+
+
+def fractional_w4_allowed(device: torch.device) -> bool:
+    """Whether W4 layers on ``device`` may hold fractional zero points: on a CPU always (the CPU path dequantizes
+    in fp32), on CUDA when the Triton W4 kernels declare it (:func:`w4_kernels_take_fractional_zeros`)."""
+    return device.type != "cuda" or w4_kernels_take_fractional_zeros()
 
 
 def _codes(gf: GGUFFile, t: GGUFTensor) -> GroupCodes:
@@ -131,8 +139,8 @@ def load_gguf_weights(model: nn.Module, gf: GGUFFile, fractional_zeros_ok: bool 
 
     Args:
         fractional_zeros_ok: whether W4 layers may hold fractional zero points (Q4_1 / Q4_K); None:
-            yes on a CPU, on CUDA only when the W4 kernels declare it (module docstring). Where not,
-            those tensors load as W8 with the same codes, scales and zeros.
+            yes on a CPU, and on CUDA when the W4 kernels declare it (they do: module docstring). Where
+            not, those tensors load as W8 with the same codes, scales and zeros.
 
     Returns:
         Module name -> how it was loaded (``"W4 (GGUF Q4_1, g32)"``...), for the start-up summary.
@@ -144,8 +152,7 @@ def load_gguf_weights(model: nn.Module, gf: GGUFFile, fractional_zeros_ok: bool 
     params = dict(model.named_parameters())
     tied = bool(getattr(model, "tie_word_embeddings", False))
     device = next(model.parameters()).device
-    fractional_w4_ok = fractional_zeros_ok if fractional_zeros_ok is not None else (
-        device.type != "cuda" or w4_kernels_take_fractional_zeros())
+    fractional_w4_ok = fractional_zeros_ok if fractional_zeros_ok is not None else fractional_w4_allowed(device)
     report: dict[str, str] = {}
     loaded: set[str] = set()
     fallback_w8 = 0
@@ -193,8 +200,8 @@ def load_gguf_weights(model: nn.Module, gf: GGUFFile, fractional_zeros_ok: bool 
     if missing:
         raise ValueError(f"{gf.path} lacks {len(missing)} weights, e.g. {', '.join(missing[:5])}")
     if fallback_w8:
-        logger.info("%d Q4_1/Q4_K tensors load as W8: their zero points are fractional and the W4 kernels round "
-                    "them (kernels/w4_decode); same codes and scales, 1.25 bytes per weight", fallback_w8)
+        logger.info("%d Q4_1/Q4_K tensors load as W8 (fractional zero points not allowed on W4 here); same codes "
+                    "and scales, 1.25 bytes per weight", fallback_w8)
     return report
 
 

@@ -19,6 +19,7 @@ from lightinfer.kernels import (
     dequantize_w4,
     prepare_w4_cpu,
     repack_awq_to_runtime,
+    zeros_are_integers,
 )
 from lightinfer.layers.cpu_gemm import PackedWeight, can_pack, use_cpu_lowbit
 from lightinfer.layers.ops import backend_name, ops_for, uses_triton
@@ -58,7 +59,10 @@ class W4A16Linear(nn.Module):
     :meth:`load_runtime` takes tensors ``lightinfer.formats`` already converted (GPTQ,
     compressed-tensors, GGUF). ``input_perm`` (None, or int64 ``[in]``): act-order checkpoints store
     K reordered so that groups are contiguous; the GPU path gathers ``x[..., input_perm]`` once per
-    call, the CPU path un-permutes its dense copy instead.
+    call, the CPU path un-permutes its dense copy instead. ``integer_zeros``: every stored zero point is an
+    integer (AWQ, GPTQ, compressed-tensors, GGUF Q4_0; not GGUF Q4_1 / Q4_K), worked out by the load
+    methods and passed to the GEMM, which then takes its cheaper decode; False (exact for any zero point)
+    until a load method has looked.
 
     Raises:
         ValueError: ``in_features`` not a multiple of ``group_size`` or ``out_features`` not a
@@ -83,6 +87,7 @@ class W4A16Linear(nn.Module):
         # On the Triton path, return a split K unreduced (SplitKPartials) for the next op to sum as it
         # loads it: set by the fusion pass (layers/fusion.py) where the model declares that op takes partials.
         self.defer_reduce = False
+        self.integer_zeros = False  # set by load_awq / load_runtime (and the dummy weights) once the zeros are known
         self._dense: torch.Tensor | None = None  # CPU only: the weight dequantized once, [out, in]
         self._packed: PackedWeight | None = None  # CPU only: that weight prepacked (cpu_gemm)
         self._lowbit: CpuQuantWeight | None = None  # CPU only: the 4-bit weight in torch's int4 GEMM layout
@@ -107,6 +112,7 @@ class W4A16Linear(nn.Module):
         self.qweight.copy_(qw)
         self.scales.copy_(s)
         self.zeros.copy_(z)
+        self.integer_zeros = True  # AWQ zero points are 4-bit codes
         self._dense = self._packed = self._lowbit = None
 
     @torch.no_grad()
@@ -114,6 +120,7 @@ class W4A16Linear(nn.Module):
                      input_perm: torch.Tensor | None = None) -> None:
         """Take tensors already in the run-time layout: qweight int32 ``[out, in // 8]``, scales and
         zeros float ``[in // G, out]`` (cast to this layer's dtype), ``input_perm`` int ``[in]`` or None.
+        Sets ``integer_zeros`` from the zeros as stored (in this layer's dtype).
 
         Raises:
             ValueError: shapes that do not match this layer.
@@ -127,6 +134,7 @@ class W4A16Linear(nn.Module):
         self.qweight.copy_(qweight)
         self.scales.copy_(scales)
         self.zeros.copy_(zeros)
+        self.integer_zeros = zeros_are_integers(self.zeros)
         self.input_perm = None if input_perm is None else input_perm.to(self.qweight.device, torch.int64)
         self._dense = self._packed = self._lowbit = None
 
@@ -184,8 +192,10 @@ class W4A16Linear(nn.Module):
         if self.input_perm is not None:  # act-order: the stored K order
             x = x.index_select(-1, self.input_perm)
         if self.defer_reduce and x.dim() == 2 and uses_triton(x):
-            return ops_for(x).w4a16_gemm(x, self.qweight, self.scales, self.zeros, self.bias, defer_reduce=True)
-        y = ops_for(x).w4a16_gemm(x.reshape(-1, shape[-1]), self.qweight, self.scales, self.zeros, self.bias)
+            return ops_for(x).w4a16_gemm(x, self.qweight, self.scales, self.zeros, self.bias, defer_reduce=True,
+                                         integer_zeros=self.integer_zeros)
+        y = ops_for(x).w4a16_gemm(x.reshape(-1, shape[-1]), self.qweight, self.scales, self.zeros, self.bias,
+                                  integer_zeros=self.integer_zeros)
         return y.reshape(*shape[:-1], self.out_features)
 
 
@@ -195,7 +205,8 @@ def fuse_linears(layers: list[Linear | W4A16Linear]) -> Linear | W4A16Linear | N
     Dense weights ``[out_i, in]`` and AWQ run-time tensors (``qweight [out_i, in // 8]``,
     ``scales``/``zeros`` ``[in // G, out_i]``) concatenate along the output dimension, so the
     fused layer's output is exactly the concatenation of the parts' outputs. One launch instead
-    of two or three, and no ``torch.cat`` of the activations afterwards.
+    of two or three, and no ``torch.cat`` of the activations afterwards. A fused 4-bit layer has
+    ``integer_zeros`` only if every part has (a GGUF file may mix Q4_0 and Q4_K projections).
 
     Returns:
         The fused layer, or None when the parts cannot share one GEMM (a mix of dense and 4-bit
@@ -225,6 +236,7 @@ def fuse_linears(layers: list[Linear | W4A16Linear]) -> Linear | W4A16Linear | N
             fused.scales = torch.cat([m.scales for m in layers], dim=1)
             fused.zeros = torch.cat([m.zeros for m in layers], dim=1)
             fused.input_perm = perms[0]
+            fused.integer_zeros = all(m.integer_zeros for m in layers)  # one fractional part: the exact decode
         else:
             fused.weight = nn.Parameter(torch.cat([m.weight for m in layers]), requires_grad=False)
         if has_bias:

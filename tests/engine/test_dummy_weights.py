@@ -44,6 +44,7 @@ def test_dummy_awq_model_generates_ids_reproducibly(tmp_path) -> None:
         assert llm.tokenizer is None
         layers = _linears(llm)
         assert layers and all(isinstance(m, W4A16Linear) for m in layers)  # fused qkv / gate_up too
+        assert all(m.integer_zeros for m in layers)  # zero point 8: the GPU takes the integer-zero decode
         out = llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0]
         assert out.outputs[0].text == "" and out.prompt == ""
         outs.append(out.outputs[0].token_ids)

@@ -4,6 +4,7 @@ clearly before the model is built."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -102,8 +103,8 @@ def test_logits_match_transformers_on_the_same_file(tmp_path: Path) -> None:
 
 
 def test_fractional_zeros_fall_back_to_w8_exactly(tmp_path: Path) -> None:
-    """Where the W4 kernels cannot take fractional zero points (CUDA today), Q4_1/Q4_K load as W8 with
-    the same values; Q4_0 (zero 8) stays W4."""
+    """Where fractional zero points are not allowed on W4 (``fractional_zeros_ok=False``; CUDA with W4 kernels
+    that do not declare them), Q4_1/Q4_K load as W8 with the same values; Q4_0 (zero 8) stays W4."""
     path = write_tiny_gguf(tmp_path / "m.gguf", ALL_TYPES)
     w4, _ = _model(path)
     w8, report = _model(path, fractional_zeros_ok=False)
@@ -112,6 +113,56 @@ def test_fractional_zeros_fall_back_to_w8_exactly(tmp_path: Path) -> None:
         assert isinstance(m8[name], W8A16Linear) and report[name].startswith("W8 (GGUF Q4_")
         torch.testing.assert_close(m8[name].dense_weight(), m4[name].dense_weight(), rtol=1e-6, atol=1e-7)
     assert isinstance(m8["model.layers.0.self_attn.k_proj"], W4A16Linear)  # Q4_0
+
+
+def test_q4_1_and_q4_k_run_as_w4_on_cuda_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The W4 kernels declare exact fractional zero points, so a CUDA model keeps Q4_1 / Q4_K as W4 (0.5 bytes per
+    weight, not W8's 1.25); kernels that did not declare it would get the W8 fallback."""
+    from lightinfer.formats import gguf_load
+    from lightinfer.kernels import w4a16_gemm
+
+    assert w4a16_gemm.FRACTIONAL_ZEROS is True and gguf_load.w4_kernels_take_fractional_zeros()
+    assert gguf_load.fractional_w4_allowed(torch.device("cuda")) and gguf_load.fractional_w4_allowed(torch.device("cpu"))
+    monkeypatch.setattr(w4a16_gemm, "FRACTIONAL_ZEROS", False)
+    assert not gguf_load.fractional_w4_allowed(torch.device("cuda")) and gguf_load.fractional_w4_allowed(
+        torch.device("cpu"))
+
+
+# q (Q4_K), k and v (Q4_0) fuse into one qkv GEMM, gate (Q4_1) and up (Q4_0) into gate_up; down is Q4_0 alone.
+MIXED_W4 = {"attn_q": T.Q4_K, "attn_k": T.Q4_0, "attn_v": T.Q4_0, "attn_output": T.Q4_1, "ffn_gate": T.Q4_1,
+            "ffn_up": T.Q4_0, "ffn_down": T.Q4_0, "token_embd": T.Q8_0, "output": T.Q4_K}
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gguf_w4_layers_on_the_triton_kernels(tmp_path: Path, dtype: torch.dtype) -> None:
+    """Every W4 layer of a GGUF model, fused as the engine fuses them, on the GPU code path (the Triton kernels on
+    the interpreter): Q4_0 layers are marked integer_zeros (fp16: the pair decode), Q4_1 / Q4_K ones and GEMMs fused
+    with one are not, and each layer's output equals the product with its dequantized weight, at M = 1 (GEMV)
+    and M = 5 (tensor cores)."""
+    from lightinfer.layers.fusion import fuse_model
+    from lightinfer.layers.ops import triton_on_cpu
+
+    path = write_tiny_gguf(tmp_path / "m.gguf", MIXED_W4)
+    model, _ = _model(path, dtype)
+    fuse_model(model)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    flags = {"qkv": attn.qkv_proj.integer_zeros, "o": attn.o_proj.integer_zeros,
+             "gate_up": mlp.gate_up_proj.integer_zeros, "down": mlp.down_proj.integer_zeros,
+             "lm_head": model.lm_head.table.integer_zeros}
+    assert flags == {"qkv": False, "o": False, "gate_up": False, "down": True, "lm_head": False}
+    gen = torch.Generator().manual_seed(0)
+    for name, layer in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                        ("down", mlp.down_proj), ("lm_head", model.lm_head.table)):
+        for m in (1, 5):
+            x = torch.randn(m, layer.in_features, generator=gen).to(dtype)
+            with triton_on_cpu():
+                y = layer(x)
+            y = (y.reduced() if hasattr(y, "reduced") else y).float()
+            want = x.float() @ layer.dense_weight().float().T
+            # fp16: the output's own rounding (and the weight operand's, 2^-11); fp32: summation order only
+            err = float((y - want).norm() / want.norm())
+            assert err < (2e-3 if dtype == torch.float16 else 1e-5), (name, m, err)
 
 
 def test_dense_types_load_dense(tmp_path: Path) -> None:

@@ -109,6 +109,42 @@ def test_cuda_graph_decode_matches_eager(tiny, tiny_awq, kv: str, weights: str) 
     assert _agreement(a, b) >= 0.95
 
 
+def test_fractional_zero_points_through_cuda_graphs(tiny_awq, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fractional zero points (as GGUF Q4_1 / Q4_K give them; here the quantized checkpoint's zeros + 0.5, set at
+    load so that the fusion and the graph capture see them): every W4 layer takes the exact decode, the captured
+    decode graphs agree with eager steps, and the GPU agrees with the CPU path on the same weights (teacher
+    forced)."""
+    from lightinfer.layers.linear import W4A16Linear
+    from tests.engine.decode_recorder import EagerVsGraph
+
+    load_runtime = W4A16Linear.load_runtime
+
+    def fractional(self: W4A16Linear, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                   input_perm: torch.Tensor | None = None) -> None:
+        load_runtime(self, qweight, scales, zeros + 0.5, input_perm)
+
+    monkeypatch.setattr(W4A16Linear, "load_runtime", fractional)
+    opts = {"device": "cuda", "dtype": "float16", "kv_cache_dtype": "int8", "num_kv_blocks": 128, "max_num_seqs": 12}
+    eager = LLM(str(tiny_awq), enforce_eager=True, **opts)
+    graphed = LLM(str(tiny_awq), **opts)
+    w4 = [m for m in graphed.llm_engine.model_runner.model.modules() if isinstance(m, W4A16Linear)]
+    assert w4 and not any(m.integer_zeros for m in w4)
+    runner = graphed.llm_engine.model_runner
+    recorder = EagerVsGraph(runner)
+    params = [SamplingParams(temperature=0, max_tokens=16 + 6 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    a = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in graphed.generate(PROMPTS, params, use_tqdm=False)]
+    assert runner.graph_runner is not None and runner.graph_runner.num_runs >= 40
+    assert recorder.max_diff <= 2e-2 * max(1.0, recorder.max_logit), (recorder.max_diff, recorder.max_logit)
+    assert recorder.argmax_agree >= 0.99 * recorder.rows and _agreement(a, b) >= 0.95
+    cpu = LLM(str(tiny_awq), device="cpu", dtype="float32", kv_cache_dtype="int8", num_kv_blocks=128)
+    cpu_out = cpu.generate(PROMPTS, GREEDY, use_tqdm=False)
+    want = [o.outputs[0].token_ids for o in cpu_out]
+    forced = [eager.llm_engine.prompt_logits(o.prompt_token_ids + t)[len(o.prompt_token_ids) - 1: -1].argmax(-1)
+              .tolist() for o, t in zip(cpu_out, want)]
+    assert _agreement(want, forced) >= 0.97
+
+
 def test_max_vram_plans_a_smaller_card(tiny, caplog) -> None:
     import logging
 

@@ -46,46 +46,70 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12))
 
 
-def _weights(n: int, k: int, g: int, dtype: torch.dtype = torch.float16):
+def _weights(n: int, k: int, g: int, dtype: torch.dtype = torch.float16, fractional: bool = False):
+    """Random W4 weights; ``fractional``: zero points as GGUF Q4_1 / Q4_K have them (-m / d, not integers)."""
     gen = torch.Generator(device=DEV).manual_seed(n + k)
     codes = torch.randint(0, 16, (n, k), generator=gen, device=DEV, dtype=torch.int32)
     scales = (torch.rand(k // g, n, generator=gen, device=DEV) * 0.01 + 0.001).to(dtype)
-    zeros = torch.randint(0, 16, (k // g, n), generator=gen, device=DEV).to(dtype)
+    if fractional:
+        zeros = (torch.rand(k // g, n, generator=gen, device=DEV) * 20 - 2).to(dtype)
+    else:
+        zeros = torch.randint(0, 16, (k // g, n), generator=gen, device=DEV).to(dtype)
     return ref.pack_int4_rows(codes), scales, zeros
 
 
 @pytest.mark.parametrize("k,n", LINEAR_SHAPES)
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 100, 1024])
-def test_w4a16_all_paths_real_shapes(k: int, n: int, m: int) -> None:
-    qweight, scales, zeros = _weights(n, k, 128)
+@pytest.mark.parametrize("zeros_kind", ["integer", "fractional"])
+def test_w4a16_all_paths_real_shapes(k: int, n: int, m: int, zeros_kind: str) -> None:
+    """Integer zeros with ``integer_zeros=True`` (fp16 pairs), fractional ones (GGUF Q4_1 / Q4_K) without it."""
+    integer = zeros_kind == "integer"
+    qweight, scales, zeros = _weights(n, k, 128, fractional=not integer)
     x = torch.randn(m, k, device=DEV, dtype=torch.float16)
     bias = torch.randn(n, device=DEV, dtype=torch.float16)
     want = ref.w4a16_gemm(x, qweight, scales, zeros, bias)
     paths = ["tiled", "swap_ab", "dequant"] + (["gemv"] if m <= 16 else [])
     for path in paths:
-        got = wg.w4a16_gemm_path(x, qweight, scales, zeros, bias, path=path)
+        got = wg.w4a16_gemm_path(x, qweight, scales, zeros, bias, path=path, integer_zeros=integer)
         assert _rel_err(got, want) < 3e-3, (path, m, k, n)
-    assert _rel_err(wg.w4a16_gemm(x, qweight, scales, zeros, bias), want) < 3e-3
+    assert _rel_err(wg.w4a16_gemm(x, qweight, scales, zeros, bias, integer_zeros=integer), want) < 3e-3
 
 
-@pytest.mark.parametrize("path", ["tiled", "swap_ab", "dequant"])
-def test_f16_pair_decode_ptx_is_exact(path: str) -> None:
-    """The fp16 pair decode's PTX (w4_decode.F16_PAIR_DECODE_PTX) on the GPU: every code at every nibble position
-    and every zero point gives q - z exactly (one-hot x picks single weights), with and without split-K."""
+# Fractions a rounding decode loses (1024 + z in fp16, 2^23 + z in fp32 keep none of them)
+FRACTIONS = (0.0, 0.5, 0.25, 0.75, 0.125, 0.375, -0.5, -0.125)
+
+
+@pytest.mark.parametrize("path", ["gemv", "tiled", "swap_ab", "dequant"])
+@pytest.mark.parametrize("zeros_kind", ["integer", "fractional"])
+def test_w4_decode_is_exact_on_the_gpu(path: str, zeros_kind: str) -> None:
+    """On the GPU, every code at every nibble position and every zero point gives q - z exactly (one-hot x picks
+    single weights), with and without split-K: integer zeros through the fp16 pair decode's PTX
+    (w4_decode.F16_PAIR_DECODE_PTX; the GEMV's one FADD), fractional ones (x.5, x.25, ...) through the two-step
+    fp32 decode."""
+    integer = zeros_kind == "integer"
     n, k, g = 256, 256, 128
     rows, cols = torch.arange(n, device=DEV), torch.arange(k, device=DEV)
     codes = ((rows[:, None] // 16 + cols[None, :]) % 16).int()
     qweight = ref.pack_int4_rows(codes)
     scales = torch.ones(k // g, n, dtype=torch.float16, device=DEV)
-    zeros = (rows % 16).half()[None, :].repeat(k // g, 1)
+    frac = 0.0 if integer else torch.tensor(FRACTIONS, device=DEV)[(rows // 16) % len(FRACTIONS)]
+    zeros = ((rows % 16).float() + frac).half()[None, :].repeat(k // g, 1)
+    m = 1 if path == "gemv" else 5
     for k0 in range(8):
-        x = torch.zeros(5, k, dtype=torch.float16, device=DEV)
+        x = torch.zeros(m, k, dtype=torch.float16, device=DEV)
         x[:, k0] = 1.0
         x[:, g + k0 + 8] = 2.0
-        exact = ((codes[:, k0] - zeros[0]) + 2 * (codes[:, g + k0 + 8] - zeros[0])).half()
+        exact = ((codes[:, k0] - zeros[0].float()) + 2 * (codes[:, g + k0 + 8] - zeros[0].float())).half()
         for split_k in (1, 2):
-            got = wg.w4a16_gemm_path(x, qweight, scales, zeros, path=path, split_k=split_k)
-            assert torch.equal(got, exact.expand(5, n)), (path, k0, split_k)
+            got = wg.w4a16_gemm_path(x, qweight, scales, zeros, path=path, split_k=split_k, integer_zeros=integer)
+            assert torch.equal(got, exact.expand(m, n)), (path, k0, split_k)
+
+
+def test_fractional_zeros_dequantize_to_the_reference_bits() -> None:
+    """The dequant kernel with fractional zeros gives exactly the reference dequantization (fp32 q - z and scale,
+    one rounding to fp16): nothing of the zero point rounded before the weight itself."""
+    qweight, scales, zeros = _weights(4096, 4096, 128, fractional=True)
+    assert torch.equal(wg.dequantize_w4(qweight, scales, zeros, torch.float16), ref.dequantize_w4(qweight, scales, zeros))
 
 
 def test_f16_pair_decode_same_bits_as_fp32_decode() -> None:
@@ -96,10 +120,12 @@ def test_f16_pair_decode_same_bits_as_fp32_decode() -> None:
     x = torch.randn(200, 4096, device=DEV, dtype=torch.float16)
     launches = [wg.W4Launch("tiled", 64, 128, 64, 4, 3), wg.W4Launch("swap_ab", 128, 128, 64, 8, 3),
                 wg.W4Launch("dequant")]
-    pair = [wg.w4a16_gemm_path(x, qweight, scales, zeros, launch=la) for la in launches]
+    pair = [wg.w4a16_gemm_path(x, qweight, scales, zeros, launch=la, integer_zeros=True) for la in launches]
     with switches.override(f16_decode=False):
         for la, got in zip(launches, pair):
-            assert torch.equal(wg.w4a16_gemm_path(x, qweight, scales, zeros, launch=la), got), la
+            assert torch.equal(wg.w4a16_gemm_path(x, qweight, scales, zeros, launch=la, integer_zeros=True), got), la
+    for la, got in zip(launches, pair):  # zeros not promised integers: the two-step fp32 decode, the same bits
+        assert torch.equal(wg.w4a16_gemm_path(x, qweight, scales, zeros, launch=la), got), la
 
 
 def test_deferred_split_k_into_norm_and_silu_real_shapes() -> None:
@@ -112,9 +138,9 @@ def _deferred_split_k_into_norm_and_silu() -> None:
     for k, n in ((4096, 4096), (4096, 28672)):
         qweight, scales, zeros = _weights(n, k, 128)
         x = torch.randn(1, k, device=DEV, dtype=torch.float16)
-        parts = wg.w4a16_gemm(x, qweight, scales, zeros, defer_reduce=True)
+        parts = wg.w4a16_gemm(x, qweight, scales, zeros, defer_reduce=True, integer_zeros=True)
         assert not isinstance(parts, torch.Tensor)  # M=1 splits K on this GPU
-        y = wg.w4a16_gemm(x, qweight, scales, zeros)
+        y = wg.w4a16_gemm(x, qweight, scales, zeros, integer_zeros=True)
         assert torch.equal(parts.reduced(), y)
         if n == 4096:
             r, w = torch.randn(1, n, device=DEV, dtype=torch.float16), torch.rand(n, device=DEV, dtype=torch.float16)
@@ -126,7 +152,8 @@ def _deferred_split_k_into_norm_and_silu() -> None:
 
 def test_tuned_launches_of_this_gpu_are_correct() -> None:
     """Every launch in this GPU's kernels/configs/w4a16_<device>.json (bench/tune_w4a16.py) against the
-    reference, at its own shape and M, with a bias (the tuner timed without one)."""
+    reference, at its own shape and M, with a bias (the tuner timed without one), for integer zeros (what it
+    timed) and fractional ones (the same launch, the exact decode)."""
     from lightinfer.kernels import w4a16_tuning as wt
 
     path = wt.device_file(torch.cuda.get_device_name())
@@ -134,23 +161,25 @@ def test_tuned_launches_of_this_gpu_are_correct() -> None:
         pytest.skip(f"no tuned file for this GPU ({path.name})")
     for key, rows in wt.parse_file(path).items():
         n, k, g = (int(v.split("=")[1]) for v in key.split(","))
-        qweight, scales, zeros = _weights(n, k, g)
         bias = torch.randn(n, device=DEV, dtype=torch.float16)
-        for m, launch in rows:
-            x = torch.randn(m, k, device=DEV, dtype=torch.float16)
-            assert wg.choose_launch(m, n, k, g, x.device) == launch
-            got = wg.w4a16_gemm(x, qweight, scales, zeros, bias)
-            assert _rel_err(got, ref.w4a16_gemm(x, qweight, scales, zeros, bias)) < 3e-3, (key, m, launch)
+        for integer in (True, False):
+            qweight, scales, zeros = _weights(n, k, g, fractional=not integer)
+            for m, launch in rows:
+                x = torch.randn(m, k, device=DEV, dtype=torch.float16)
+                assert wg.choose_launch(m, n, k, g, x.device) == launch
+                got = wg.w4a16_gemm(x, qweight, scales, zeros, bias, integer_zeros=integer)
+                assert _rel_err(got, ref.w4a16_gemm(x, qweight, scales, zeros, bias)) < 3e-3, (key, m, launch, integer)
 
 
 def test_w4a16_pre_hopper_tiles_on_this_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiles chosen for sm_80/86/89 (64-row tile at 8 warps) are correct here too."""
     monkeypatch.setattr(wg, "tiled_configs", lambda device: wg.TILED_CONFIGS_PRE_HOPPER)
-    qweight, scales, zeros = _weights(4096, 4096, 128)
-    for m in (20, 40, 64):
-        x = torch.randn(m, 4096, device=DEV, dtype=torch.float16)
-        got = wg.w4a16_gemm_path(x, qweight, scales, zeros, path="tiled")
-        assert _rel_err(got, ref.w4a16_gemm(x, qweight, scales, zeros)) < 3e-3, m
+    for integer in (True, False):
+        qweight, scales, zeros = _weights(4096, 4096, 128, fractional=not integer)
+        for m in (20, 40, 64):
+            x = torch.randn(m, 4096, device=DEV, dtype=torch.float16)
+            got = wg.w4a16_gemm_path(x, qweight, scales, zeros, path="tiled", integer_zeros=integer)
+            assert _rel_err(got, ref.w4a16_gemm(x, qweight, scales, zeros)) < 3e-3, (m, integer)
 
 
 @pytest.mark.parametrize("g", [32, 64])
@@ -320,8 +349,9 @@ def test_pdl_chain_matches_plain_launches() -> None:
     w = torch.rand(4096, device=DEV, dtype=torch.float16)
 
     def chain() -> torch.Tensor:
-        h, r = nr.fused_add_rms_norm(wg.w4a16_gemm(x, qw2, s2, z2, defer_reduce=True), res, w, 1e-5)
-        return nr.silu_and_mul(wg.w4a16_gemm(h, qw1, s1, z1, defer_reduce=True)) + r.sum()
+        h, r = nr.fused_add_rms_norm(wg.w4a16_gemm(x, qw2, s2, z2, defer_reduce=True, integer_zeros=True), res, w,
+                                     1e-5)
+        return nr.silu_and_mul(wg.w4a16_gemm(h, qw1, s1, z1, defer_reduce=True, integer_zeros=True)) + r.sum()
 
     results = {}
     for flag in ("0", "1"):

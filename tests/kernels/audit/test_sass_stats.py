@@ -29,9 +29,14 @@ def rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return json.loads(out.read_text())["rows"]
 
 
-def _gemv(rows: list[dict], group_size: int, block_m: int) -> dict:
+def _integer(rows: list[dict]) -> list[dict]:
+    """The W4 rows for integer zero points (AWQ, GPTQ, ...; ``integer_zeros=True``) and every other kernel's."""
+    return [r for r in rows if r["constexprs"].get("INTEGER_ZEROS", True)]
+
+
+def _gemv(rows: list[dict], group_size: int, block_m: int, integer_zeros: bool = True) -> dict:
     return next(r for r in rows if r["name"].startswith("w4a16_gemv") and r["constexprs"]["GROUP_SIZE"] == group_size
-                and r["constexprs"]["BLOCK_M"] == block_m)
+                and r["constexprs"]["BLOCK_M"] == block_m and r["constexprs"]["INTEGER_ZEROS"] == integer_zeros)
 
 
 def test_gemv_decodes_a_weight_in_few_instructions(rows: list[dict]) -> None:
@@ -58,7 +63,7 @@ def test_gemv_keeps_weight_loads_in_flight(rows: list[dict]) -> None:
 
 
 def test_tiled_decode_has_no_per_weight_shift(rows: list[dict]) -> None:
-    tiled = [r for r in rows if r["name"].startswith("w4a16_tiled")]
+    tiled = [r for r in rows if r["name"].startswith("w4a16_tiled")]  # both kinds of zero points
     assert tiled
     for r in tiled:
         assert "SGXT" not in r["opcodes"] and "I2F" not in r["opcodes"], r
@@ -68,7 +73,7 @@ def test_tensor_core_paths_decode_fp16_pairs(rows: list[dict]) -> None:
     # fp16 activations: the weights are decoded as fp16 pairs in PTX (w4_decode.unpack_minus_zero_f16), not as
     # fp32 and converted (an F2FP per two weights). swap_ab at 16 tokens: 3.81 per weight when written, 4.86
     # with the fp32 decode; tiled 64 x 128: 4.09, was 5.64.
-    tc = [r for r in rows if r["name"].startswith(("w4a16_tiled", "w4a16_swap_ab"))]
+    tc = [r for r in _integer(rows) if r["name"].startswith(("w4a16_tiled", "w4a16_swap_ab"))]
     assert tc and all(r["constexprs"]["F16_DECODE"] and r["constexprs"]["USE_PTX"] for r in tc)
     for r in tc:
         assert "F2FP" not in r["opcodes"], r
@@ -78,6 +83,22 @@ def test_tensor_core_paths_decode_fp16_pairs(rows: list[dict]) -> None:
     tiled64 = next(r for r in tc if r["name"].startswith("w4a16_tiled") and r["constexprs"]["BLOCK_M"] == 64
                    and r["num_warps"] == 4)
     assert tiled64["instructions_per_unit"] <= 4.5, tiled64
+
+
+def test_fractional_zero_points_are_subtracted_in_two_steps(rows: list[dict]) -> None:
+    # GGUF Q4_1 / Q4_K (integer_zeros=False): every W4 loop subtracts the float bias and then z, two FADDs per
+    # weight (folded back into one, base + z would round z's fraction away), and never in fp16 pairs (whose
+    # 1024 + z keeps no fraction). Integer-zero rows above are the same code as before the flag existed.
+    frac = [r for r in rows if not r["constexprs"].get("INTEGER_ZEROS", True)]
+    assert {r["name"].split("[")[0] for r in frac} == {"w4a16_gemv", "w4a16_tiled", "w4a16_swap_ab"}
+    for r in frac:
+        assert r["opcodes"].get("FADD", 0) >= 2 * r["units_per_thread"], r
+        assert "SGXT" not in r["opcodes"] and "I2F" not in r["opcodes"], r
+        assert not r["constexprs"].get("F16_DECODE", False), r
+    # One FADD more per weight at M=1 than the integer decode (4.26 / 4.83 / 4.73 at G = 128 / 64 / 32 when
+    # written), about 0.74-0.78 of an instruction once scheduled: 5.00 / 5.39 / 5.52.
+    for g, limit in ((128, 5.3), (64, 5.7), (32, 5.8)):
+        assert _gemv(rows, g, 1, integer_zeros=False)["instructions_per_unit"] <= limit
 
 
 def test_decode_attention_loop_has_no_integer_division(rows: list[dict]) -> None:
