@@ -25,6 +25,13 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
+# A table that also keeps a 16-bit dense copy (see W8A16Linear.pack_for_cpu) multiplies with it from this many
+# rows up: the two int4 halves read fewer bytes, but torch's int4 kernel re-decodes its weight for every few
+# rows (one thread, the 49,152 x 576 LM head: halves 2.35 / 3.4 / 14.0 / 58 ms at 1 / 4 / 16 / 64 rows,
+# bf16 dense 3.4 / 4.0 / 6.1 / 12.1 ms; docs/cpu_performance.md).
+HALVES_MAX_ROWS = 8
+
+
 def check_runtime_tensors(layer: nn.Module) -> None:
     """Raise RuntimeError when a quantized layer's run-time tensors were released by ``pack_for_cpu``."""
     if layer.qweight is None:
@@ -111,7 +118,9 @@ class W8A16Linear(nn.Module):
         """Prepare the weight once for the CPU GEMM, as ``W4A16Linear`` does: with 16-bit activations it
         stays 8-bit (two exact 4-bit halves in torch's int4 GEMM layout, ``kernels.prepare_w8_cpu``),
         otherwise it is dequantized once (in the activation dtype) and prepacked. The low-bit form replaces
-        the int8 tensors unless ``rows_read`` (the embedding of a tied table reads rows of them). No-op on CUDA."""
+        the int8 tensors; a table an embedding reads (``rows_read``, e.g. a tied Q8_0 embedding / LM head)
+        keeps its rows as a 16-bit dense copy instead, which from :data:`HALVES_MAX_ROWS` rows up is also
+        the faster product. No-op on CUDA."""
         if self.qweight is None or self.qweight.is_cuda or self._lowbit is not None or self._packed is not None:
             return  # (a tied table is reached twice: as the embedding's and as the LM head's)
         if use_cpu_lowbit(self.dtype):
@@ -122,14 +131,32 @@ class W8A16Linear(nn.Module):
                 self._packed = PackedWeight(dense)
             else:
                 self._dense = dense
-        if self._lowbit is not None and not self.rows_read:  # the same codes in another layout: one copy
-            self.qweight = self.scales = self.zeros = None
+            return
+        if self.rows_read:
+            self._dense = self.dense_weight().to(self.dtype)
+        self.qweight = self.scales = self.zeros = None  # the same codes in another layout: one copy
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (int64 ``[T]``) of the weight ``[T, in]`` (the embedding's lookup): dequantized from the
+        int8 tensors in fp32, or read from the CPU engine's 16-bit copy once those are released."""
+        if self.qweight is None and self._dense is not None:
+            return self._dense.index_select(0, ids)
+        zeros = None if self.zeros is None else self.zeros.index_select(1, ids)
+        return dequantize_w8(self.qweight.index_select(0, ids), self.scales.index_select(1, ids), zeros)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weight lives (its int8 codes, or the forms the CPU engine prepared)."""
+        held = (self.qweight, self._dense, None if self._lowbit is None else self._lowbit.packed)
+        return next(t for t in held if t is not None).device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in]`` -> ``[..., out]`` (fp32 accumulation): the prepared weight on the ``torch_cpu``
         backend, the op over the int8 run-time tensors on ``triton`` / ``reference`` (as ``W4A16Linear``)."""
         if backend_name(x) == "torch_cpu":
             if self._lowbit is not None:
+                if self._dense is not None and x.numel() >= HALVES_MAX_ROWS * self.in_features:
+                    return F.linear(x, self._dense, self.bias)
                 return cpu_quant_linear(x, self._lowbit, self.bias)
             if self._packed is not None:
                 return self._packed(x, self.bias)
