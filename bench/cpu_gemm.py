@@ -55,6 +55,8 @@ def builders(args: argparse.Namespace) -> list[tuple[str, Any]]:
     out = [(BASELINE, C.fp32_linear), ("fp32 prepacked oneDNN (lightinfer today)", C.fp32_prepacked),
            ("bf16 F.linear", C.bf16_linear)]
     out += [(f"int4 _weight_int4pack_mm_for_cpu g{g} (bf16)", C.int4pack_for_cpu(g)) for g in (32, 64, 128)]
+    out += [(f"lightinfer W4 g{args.group_size} (cpu_lowbit: int4 GEMM, bf16)", C.lightinfer_w4),
+            ("lightinfer W8 g32 (cpu_lowbit: two int4 halves, bf16)", C.lightinfer_w8)]
     out += [("int8 weight-only _weight_int8pack_mm (fp32)", C.int8_weight_only(torch.float32)),
             ("int8 weight-only _weight_int8pack_mm (bf16)", C.int8_weight_only(torch.bfloat16)),
             ("int8 dynamic linear_dynamic fbgemm (act per tensor)", C.int8_dynamic("fbgemm")),
@@ -67,6 +69,8 @@ def builders(args: argparse.Namespace) -> list[tuple[str, Any]]:
     if args.compile:
         out += [(f"torch.compile 4-bit g{g} dequant+mm", C.compiled("mm")),
                 (f"torch.compile 4-bit g{g} fused GEMV (<=16 rows)", C.compiled("gemv"))]
+    if args.only:  # the baseline always stays: every ratio is against it
+        out = [(label, b) for label, b in out if label == BASELINE or any(o in label for o in args.only)]
     return out
 
 
@@ -247,6 +251,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="wall time (default), or this process's CPU time: with --threads 1, a figure that "
                     "other load on a shared machine disturbs much less (it cannot see memory-bandwidth contention)")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile candidates")
+    ap.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                    help="measure only the candidates whose name contains one of these (fp32 F.linear always)")
     ap.add_argument("--no-torchao", dest="torchao", action="store_false", help="skip torchao (its own venv)")
     ap.add_argument("--peers-dir", type=Path, default=ROOT / ".peers")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")

@@ -107,6 +107,33 @@ def int4pack_for_cpu(group_size: int) -> Callable[[torch.Tensor, Quant4], Candid
     return build
 
 
+def lightinfer_w4(w: torch.Tensor, q4: Quant4) -> Candidate:
+    """What lightinfer's CPU engine runs for a W4 layer (``kernels/cpu_lowbit.py``): the W4 run-time layout
+    prepared once for torch's int4 GEMM (bf16 activations), the cast in and out included."""
+    from lightinfer.kernels import cpu_quant_linear, pack_int4_rows, prepare_w4_cpu
+
+    prepared = prepare_w4_cpu(pack_int4_rows(q4.q.to(torch.int32)), q4.s.t().contiguous(), q4.z.t().contiguous())
+    if prepared is None:
+        raise RuntimeError("torch's CPU int4 GEMM cannot take this shape")
+    return Candidate(lambda x: cpu_quant_linear(x, prepared), prepared.nbytes, q4.dequantize())
+
+
+def lightinfer_w8(w: torch.Tensor, q4: Quant4) -> Candidate:
+    """What lightinfer's CPU engine runs for a W8 layer (a GGUF Q8_0 tensor: int8 codes, one scale per 32):
+    each code split exactly into two 4-bit halves, one int4 GEMM over both, the halves added in fp32."""
+    from lightinfer.kernels import cpu_quant_linear, prepare_w8_cpu
+
+    n, k = w.shape
+    wg = w.reshape(n, k // 32, 32)
+    scale = (wg.abs().amax(-1) / 127).clamp(min=1e-8)  # [N, K/32]
+    q8 = torch.round(wg / scale[..., None]).clamp(-127, 127).to(torch.int8).reshape(n, k)
+    prepared = prepare_w8_cpu(q8, scale.t().contiguous(), None)
+    if prepared is None:
+        raise RuntimeError("torch's CPU int4 GEMM cannot take this shape")
+    return Candidate(lambda x: cpu_quant_linear(x, prepared), prepared.nbytes,
+                     (q8.reshape(n, k // 32, 32).float() * scale[..., None]).reshape(n, k))
+
+
 # ---------------------------------------------------------------- 8-bit weights
 def _int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (w.abs().amax(1) / 127).clamp(min=1e-8)

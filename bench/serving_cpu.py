@@ -83,12 +83,15 @@ def main() -> int:
     ap.add_argument("--kv-cache-dtype", default="int8")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--users", type=int, default=8)
+    ap.add_argument("--dtype", default="auto", help="engine dtype (auto: on a CPU bf16 for a 4-bit model)")
+    ap.add_argument("--threads", type=int, default=None, help="engine CPU threads (default: all usable cores)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "serving_cpu.json"))
     args = ap.parse_args()
 
     t0 = time.perf_counter()
     engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=args.model, device="cpu", max_model_len=1024,
-                                                   kv_cache_dtype=args.kv_cache_dtype)))
+                                                   kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype,
+                                                   threads=args.threads)))
     load_s = time.perf_counter() - t0
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(build_api_app(engine, served_model_name="bench"),
@@ -104,7 +107,8 @@ def main() -> int:
     server.should_exit = True
     result = {
         "model": engine.model_info()["model"], "quantization": engine.model_info()["quantization"],
-        "kv_cache_dtype": args.kv_cache_dtype, "max_tokens": args.max_tokens, "load_s": round(load_s, 1),
+        "kv_cache_dtype": args.kv_cache_dtype, "dtype": str(engine.engine.config.torch_dtype).replace("torch.", ""),
+        "max_tokens": args.max_tokens, "load_s": round(load_s, 1),
         "cpu_count": os.cpu_count(), "torch_threads": __import__("torch").get_num_threads(),
         "platform": platform.platform(), "one_user": one, "many_users": many,
         "speedup_total_vs_one_user": round(many["total_tokens_per_s"] / one["total_tokens_per_s"], 2),

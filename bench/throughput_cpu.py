@@ -1,6 +1,8 @@
 """CPU throughput: lightinfer's continuous batching against transformers ``generate``.
 
-64 mixed-length prompts on SmolLM2-135M-Instruct (fp32), measured in one run. ``--mode fixed``:
+64 mixed-length prompts on SmolLM2-135M-Instruct, measured in one run: lightinfer as ``--dtype`` says
+(default auto: on a CPU bf16 activations with the 4-/8-bit weights kept low-bit; ``float32``: the exact
+dequantized path), transformers in fp32 from the same GGUF. ``--mode fixed``:
 random-word prompts that all generate exactly ``--max-tokens`` (``ignore_eos`` /
 ``min_new_tokens``); ``--mode eos``: chat requests that stop at EOS, only the tokens up to each
 EOS counted (a static batch keeps computing until its longest member is done):
@@ -72,14 +74,17 @@ def main() -> None:
                          "eos: chat requests that stop at EOS (at most --max-tokens), only real tokens counted")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads (all runs)")
     ap.add_argument("--kv-cache-bytes", default="1GiB", help="lightinfer's KV pool (default 1GiB)")
+    ap.add_argument("--dtype", default="auto",
+                    help="lightinfer's dtype: auto (on a CPU: bf16 activations, the GGUF's 4-/8-bit weights kept "
+                         "low-bit, as `lightinfer serve` runs it) or float32 (the exact dequantized path)")
     ap.add_argument("--out", default=None, help="default: bench/results/throughput_cpu[_eos].json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     # A KV pool that holds the whole workload (as transformers' static batch holds its ~0.9 GiB
     # cache): the CPU default of 512 MiB would make the engine preempt and recompute.
-    llm = LLM("smollm2-135m-instruct", dtype="float32", max_model_len=1024,
-              kv_cache_memory_bytes=args.kv_cache_bytes)
+    llm = LLM("smollm2-135m-instruct", dtype=args.dtype, max_model_len=1024, threads=args.threads,
+              kv_cache_memory_bytes=args.kv_cache_bytes, show_progress=False)
     tok = llm.tokenizer
     eos_mode = args.mode == "eos"
     prompts = make_chat_prompts(tok, args.num_prompts) if eos_mode else make_prompts(args.num_prompts)
@@ -132,7 +137,9 @@ def main() -> None:
 
     result = {
         "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
-        "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32)",
+        "model": "SmolLM2-135M-Instruct (GGUF Q4_1)",
+        "lightinfer_dtype": str(llm.llm_engine.config.torch_dtype).replace("torch.", ""),
+        "hf_dtype": "float32 (dequantized)",
         "mode": args.mode, "num_prompts": len(prompts), "max_new_tokens_per_prompt": n_new,
         "output_tokens": ours_tokens, "kv_cache_bytes": llm.llm_engine.config.kv_cache_memory_bytes,
         "preemptions": llm.llm_engine.scheduler.num_preemptions,

@@ -12,6 +12,8 @@ The public surface (what layers, models and the engine import; importing it does
 * :func:`decode_workspace_bytes`: the memory a split paged-attention decode allocates.
 * :class:`ExpertWeights`: one linear of every expert of a MoE layer, stacked (``moe.py``), as the ``fused_moe``
   op takes it.
+* Low-bit weights on the CPU (``cpu_lowbit.py``): :func:`prepare_w4_cpu` / :func:`prepare_w8_cpu` turn a W4 / W8
+  run-time weight into a :class:`CpuQuantWeight` once, :func:`cpu_quant_linear` multiplies by it.
 
 Build-time tooling (SASS counts, shared-memory and PDL checks) lives in ``lightinfer.kernels.audit``, which
 imports the kernels and is never imported by them. Engineering notes: ``kernels/README.md``.
@@ -23,6 +25,10 @@ from . import switches
 from .attention_plan import decode_workspace_bytes
 from .backends import OP_NAMES, get_backend
 from .moe import ExpertWeights
+from .cpu_lowbit import CpuQuantWeight
+from .cpu_lowbit import prepare_w4 as prepare_w4_cpu
+from .cpu_lowbit import prepare_w8 as prepare_w8_cpu
+from .cpu_lowbit import quant_linear as cpu_quant_linear
 from .paged_kv import KV_BLOCK_SIZES, KVCacheSpec, PagedKV
 from .reference import dequantize_w8
 from .split_k import SplitKPartials
@@ -42,15 +48,19 @@ __all__ = [
     "KV_BLOCK_SIZES",
     "OP_NAMES",
     "ExpertWeights",
+    "CpuQuantWeight",
     "KVCacheSpec",
     "PagedKV",
     "SplitKPartials",
+    "cpu_quant_linear",
     "decode_workspace_bytes",
     "dequantize_w4",
     "dequantize_w8",
     "get_backend",
     "pack_awq",
     "pack_int4_rows",
+    "prepare_w4_cpu",
+    "prepare_w8_cpu",
     "repack_awq_to_runtime",
     "switches",
     "unpack_awq",

@@ -173,8 +173,8 @@ class KVCacheSpec:
         scattered ones. The Triton kernels take any strides; the CPU path keeps them contiguous.
         """
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        k = torch.zeros(shape, dtype=self.dtype, device=device)
-        v = torch.zeros(shape, dtype=self.dtype, device=device)
+        k = _zeros(shape, self.dtype, device)
+        v = _zeros(shape, self.dtype, device)
         if not self.is_int8:
             return PagedKV(k, v)
         head_major = torch.device(device).type == "cuda"
@@ -184,5 +184,20 @@ class KVCacheSpec:
                 scales[name] = torch.zeros((num_blocks, self.num_kv_heads, self.block_size), dtype=torch.float16,
                                            device=device).transpose(1, 2)
             else:
-                scales[name] = torch.zeros(shape[:3], dtype=torch.float16, device=device)
+                scales[name] = _zeros(shape[:3], torch.float16, device)
         return PagedKV(k, v, **scales)
+
+
+# numpy dtypes with the same bits as the cache dtypes (bf16 has none: its zero is the int16 zero)
+_NUMPY_ZEROS = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "int16", torch.int8: "int8"}
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Zeros; on a CPU from ``calloc`` (through numpy), whose large blocks are fresh pages the kernel zeroes
+    when first touched: a KV pool takes memory (RSS) as its blocks fill, not all at start-up, and start-up
+    skips a memset of the whole pool (512 MiB by default on a CPU). Same values as ``torch.zeros``."""
+    if torch.device(device).type != "cpu" or dtype not in _NUMPY_ZEROS:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    return torch.from_numpy(np.zeros(shape, dtype=_NUMPY_ZEROS[dtype])).view(dtype)

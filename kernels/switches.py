@@ -10,6 +10,9 @@
 ``LIGHTINFER_PDL_PREFETCH=0``  PDL without the W4 GEMMs' L2 prefetch of their first weights
 ``LIGHTINFER_W4A16_CONFIGS``   a tuned-config file used whatever the GPU, or ``none`` for the
                                built-in launches everywhere (``w4a16_tuning.py``)
+``LIGHTINFER_CPU_LOWBIT=0``    on a CPU, 4-/8-bit layers are dequantized once into dense weights
+                               instead of staying low-bit for torch's int4 GEMM (``cpu_lowbit.py``):
+                               the exact path, 4-8x the memory
 =============================  ==================================================================
 
 The environment is read at the first :func:`current` call and never again: a launch costs a dict
@@ -31,6 +34,7 @@ F16_DECODE_ENV = "LIGHTINFER_F16_DECODE"
 PDL_ENV = "LIGHTINFER_PDL"
 PDL_PREFETCH_ENV = "LIGHTINFER_PDL_PREFETCH"
 W4A16_CONFIGS_ENV = "LIGHTINFER_W4A16_CONFIGS"
+CPU_LOWBIT_ENV = "LIGHTINFER_CPU_LOWBIT"
 BACKEND_NAMES = ("triton", "torch_cpu", "reference")
 
 
@@ -44,6 +48,7 @@ class KernelSwitches:
         pdl: programmatic dependent launch where the GPU and driver support it (``pdl.pdl_enabled``).
         pdl_prefetch: with PDL on, the W4 GEMMs prefetch their first weights into L2 before the wait.
         w4a16_configs: a tuned-config file path, ``"none"``, or None (the GPU model's own file).
+        cpu_lowbit: on a CPU, 4-/8-bit layers with 16-bit activations stay low-bit (``cpu_lowbit.py``).
     """
 
     backend: str | None = None
@@ -51,6 +56,7 @@ class KernelSwitches:
     pdl: bool = True
     pdl_prefetch: bool = True
     w4a16_configs: str | None = None
+    cpu_lowbit: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> KernelSwitches:
@@ -67,7 +73,8 @@ class KernelSwitches:
                    f16_decode=environ.get(F16_DECODE_ENV, "1") != "0",
                    pdl=environ.get(PDL_ENV, "1") != "0",
                    pdl_prefetch=environ.get(PDL_PREFETCH_ENV, "1") != "0",
-                   w4a16_configs=environ.get(W4A16_CONFIGS_ENV) or None)
+                   w4a16_configs=environ.get(W4A16_CONFIGS_ENV) or None,
+                   cpu_lowbit=environ.get(CPU_LOWBIT_ENV, "1") != "0")
 
 
 _current: KernelSwitches | None = None

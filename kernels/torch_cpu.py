@@ -8,10 +8,12 @@ holds them to the reference). What makes it fast:
   KV blocks (a 2-D ``index_select`` of block rows) rather than single tokens;
 * decode sorts the batch by context length and cuts it into groups, each one gather + one SDPA call,
   planned once per step and reused by every layer (:func:`_decode_plan`);
-* RMSNorm is torch's fused kernel.
+* RMSNorm, RoPE + KV store and SiLU·mul are the fewest torch calls that give the reference's result, with
+  what every layer of a step shares computed once per step (``cpu_fused.py``).
 
-The 4-bit GEMM, RoPE, SiLU / GeGLU and the KV store are the reference's own (already vectorised). Works on any
-device, but the engine uses it on CPU only (``lightinfer.layers.ops``).
+The GEMM ops (4-/8-bit), GeGLU and the MoE experts' reference are the reference's own or ``moe_cpu.py``'s: the
+CPU engine's low-bit layers call the prepared form of ``cpu_lowbit.py`` instead (their weights converted once,
+at load). Works on any device, but the engine uses it on CPU only (``lightinfer.layers.ops``).
 """
 
 from __future__ import annotations
@@ -22,21 +24,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .moe_cpu import fused_moe
-from .paged_kv import PagedKV
-from .reference import (
+from .cpu_fused import (
     apply_rotary,
-    dequantize_kv_int8,
-    gelu_tanh_and_mul,
-    quantize_kv_int8,
+    fused_add_rms_norm,
+    rms_norm,
+    rope_store_kvcache,
     rotary_qk,
     silu_and_mul,
-    w4a16_gemm,
-    w8a16_gemm,
-    window_start,
+    store_kvcache,
 )
+from .paged_kv import PagedKV
+from .moe_cpu import fused_moe
+from .reference import dequantize_kv_int8, gelu_tanh_and_mul, w4a16_gemm, w8a16_gemm, window_start
 from .sdpa import attend, varlen_causal_attention
-from .split_k import SplitKPartials
 
 __all__ = ["apply_rotary", "fused_add_rms_norm", "fused_moe", "gather_blocks", "gather_kv", "gelu_tanh_and_mul",
            "paged_attention_decode", "paged_attention_prefill", "rms_norm", "rope_store_kvcache", "rotary_qk", "silu_and_mul",
@@ -44,32 +44,6 @@ __all__ = ["apply_rotary", "fused_add_rms_norm", "fused_moe", "gather_blocks", "
 
 
 # ----------------------------------------------------------------------------- KV cache
-
-
-def store_kvcache(key: torch.Tensor, value: torch.Tensor, kv: PagedKV, slot_mapping: torch.Tensor) -> None:
-    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[num_tokens]``
-    (-1: padding, skipped) into ``kv``, quantizing for an INT8 cache (``reference.store_kvcache``'s result)."""
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    if slot_mapping.numel() == 0:
-        return
-    kc = kv.k.view(kv.num_blocks * kv.block_size, *kv.k.shape[2:])
-    vc = kv.v.view(kv.num_blocks * kv.block_size, *kv.v.shape[2:])
-    slots = slot_mapping.long()
-    if kv.is_int8:
-        qk, sk, zk = quantize_kv_int8(key)
-        qv, sv, zv = quantize_kv_int8(value)
-        kc[slots] = qk
-        vc[slots] = qv
-        for t, x in zip(kv.scales, (sk, zk, sv, zv)):
-            if t.is_contiguous():  # the CPU layout: one flat row per slot
-                t.view(-1, t.shape[-1])[slots] = x
-            else:  # e.g. the head-major scales KVCacheSpec allocates on a GPU
-                t[slots // kv.block_size, slots % kv.block_size] = x
-    else:
-        kc[slots] = key.to(kv.dtype)
-        vc[slots] = value.to(kv.dtype)
 
 
 def _gather_rows(t: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -90,7 +64,7 @@ def gather_blocks(kv: PagedKV, blocks: torch.Tensor, num_seqs: int,
         if kv.is_int8:
             x = dequantize_kv_int8(x, _gather_rows(scale, blocks, num_seqs), _gather_rows(zero, blocks, num_seqs),
                                    dtype)
-        out.append(x.to(dtype))
+        out.append(x if x.dtype == dtype else x.to(dtype))
     return out[0], out[1]
 
 
@@ -203,18 +177,27 @@ def paged_attention_decode(q: torch.Tensor, kv: PagedKV, block_tables: torch.Ten
     """
     _, num_heads, head_dim = q.shape
     num_kv_heads = kv.num_kv_heads
-    out = torch.empty_like(q)
-    for g in _decode_plan(block_tables, context_lens, kv.block_size, num_kv_heads, head_dim, window):
+    groups = _decode_plan(block_tables, context_lens, kv.block_size, num_kv_heads, head_dim, window)
+    # one group of the whole batch in order (a slice): its output is the result, no scatter
+    out = None if len(groups) == 1 and isinstance(groups[0].seqs, slice) else torch.empty_like(q)
+    for g in groups:
         n = g.blocks.numel() // g.num_blocks
         k, v = gather_blocks(kv, g.blocks, n, torch.float32)
-        qf = q[g.seqs].to(torch.float32).reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        qf = q if out is None else q[g.seqs]
+        qf = (qf if qf.dtype == torch.float32 else qf.to(torch.float32)).reshape(n, num_kv_heads,
+                                                                                 num_heads // num_kv_heads, head_dim)
         kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [n, Hkv, L, D]
         if softcap > 0:
             s = torch.tanh(qf @ kt.transpose(-1, -2) * (scale / softcap)) * softcap
             o = torch.softmax(s.masked_fill(~g.mask, float("-inf")), dim=-1) @ vt
         else:
             o = F.scaled_dot_product_attention(qf, kt, vt, attn_mask=g.mask, scale=scale)
-        out[g.seqs] = o.reshape(n, num_heads, head_dim).to(q.dtype)
+        o = o.reshape(n, num_heads, head_dim)
+        if o.dtype != q.dtype:
+            o = o.to(q.dtype)
+        if out is None:
+            return o
+        out[g.seqs] = o
     return out
 
 
@@ -244,45 +227,3 @@ def paged_attention_prefill(q: torch.Tensor, kv: PagedKV, cu_seqlens_q: torch.Te
         k, v = gather_kv(kv, block_tables[i], n, q.dtype, start=lo)
         out[a:b] = attend(q[a:b], k, v, scale, causal_offset=n - (b - a) - lo, window=window, softcap=softcap)
     return out
-
-
-# ----------------------------------------------------------------------------- norm / rope
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, computed in fp32, returned in ``x.dtype``."""
-    # torch's fused kernel: the same fp32 arithmetic as the reference (bit-identical on CPU), one pass
-    return F.rms_norm(x.to(torch.float32), (x.shape[-1],), weight.to(torch.float32), eps).to(x.dtype)
-
-
-def fused_add_rms_norm(
-    x: torch.Tensor | SplitKPartials, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``residual = x + residual``; returns ``(rms_norm(residual), residual)``. ``x`` may be a GEMM's
-    unreduced :class:`SplitKPartials`."""
-    if isinstance(x, SplitKPartials):
-        x = x.reduced()
-    residual = (x.to(torch.float32) + residual.to(torch.float32)).to(x.dtype)
-    return rms_norm(residual, weight, eps), residual
-
-
-def rope_store_kvcache(
-    positions: torch.Tensor,
-    qkv: torch.Tensor | SplitKPartials,
-    num_heads: int,
-    num_kv_heads: int,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-    kv: PagedKV,
-    slot_mapping: torch.Tensor,
-) -> torch.Tensor:
-    """A fused qkv projection's output ``[T, (Hq + 2 Hk) D]`` (or its split-K partials; D = ``kv.head_dim``): q
-    and k rotated (:func:`rotary_qk`), k and v written at ``slot_mapping`` (:func:`store_kvcache`); returns q
-    ``[T, Hq, D]``."""
-    if isinstance(qkv, SplitKPartials):
-        qkv = qkv.reduced()
-    t, d = qkv.shape[0], kv.head_dim
-    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
-    q, k = rotary_qk(positions, q.reshape(t, num_heads, d), k.reshape(t, num_kv_heads, d), cos_cache, sin_cache)
-    store_kvcache(k, v.reshape(t, num_kv_heads, d), kv, slot_mapping)
-    return q

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -67,13 +68,37 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity; ``os.cpu_count()`` where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cpu_auto_dtype(quantized: bool) -> torch.dtype:
+    """What ``dtype="auto"`` means on a CPU: bf16 for a 4-/8-bit checkpoint where torch's CPU int4 GEMM runs
+    (its fast path takes bf16 activations, and the weights then stay low-bit: ``kernels/cpu_lowbit.py``)
+    unless the ``LIGHTINFER_CPU_LOWBIT=0`` switch asks for the exact path; fp32 otherwise (a dense
+    checkpoint, or the exact path: low-bit weights dequantized once to fp32)."""
+    from lightinfer.kernels import switches
+    from lightinfer.kernels.cpu_lowbit import int4_gemm_available
+
+    if quantized and switches.current().cpu_lowbit and int4_gemm_available() and \
+            torch.backends.cpu.get_cpu_capability() != "DEFAULT":
+        return torch.bfloat16
+    return torch.float32
+
+
 @dataclass
 class EngineConfig:
     """Engine settings, validated in ``__post_init__``.
 
     Attributes:
         model: a Hugging Face folder, a ``.gguf`` file or ``smollm2-135m-instruct``.
-        dtype: activation / weight dtype: "auto", "float32", "float16", "bfloat16".
+        dtype: activation / weight dtype: "auto", "float32", "float16", "bfloat16". "auto": bf16 on GPUs
+            that have it, else fp16; on a CPU bf16 for a 4-/8-bit checkpoint (its weights then stay
+            low-bit, :func:`cpu_auto_dtype`), fp32 for a dense one.
         device: "auto", "cpu" or "cuda[:i]".
         max_model_len: longest sequence (prompt + output) in tokens; None = the model's own limit
             (``max_position_embeddings``, with its RoPE scaling: ``layers/rope_scaling.py``) capped at 8192.
@@ -102,6 +127,9 @@ class EngineConfig:
         cpu_experts: mixture-of-experts models: keep the experts of the first N MoE layers in host
             memory and compute them on the CPU (hidden states copied to the host and back for those
             layers; no CUDA graphs then). 0 = every expert on the device (engine/moe_placement.py).
+        threads: CPU threads of the engine's torch ops (``torch.set_num_threads``, set when a CPU engine
+            starts); None = ``OMP_NUM_THREADS`` when set, else the cores this process may run on
+            (``os.sched_getaffinity``).
     """
 
     model: str
@@ -125,6 +153,7 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     embedding_on_host: bool | None = None
     cpu_experts: int = 0
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.cpu_experts, bool) or not isinstance(self.cpu_experts, int) or self.cpu_experts < 0:
@@ -152,6 +181,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ValueError(f"threads must be a positive number of CPU threads or None (all usable cores), "
+                             f"got {self.threads!r}")
         self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
         self.max_vram = parse_bytes(self.max_vram)
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:

@@ -22,6 +22,7 @@ class LLM:
         model: a Hugging Face folder, a ``.gguf`` file or ``smollm2-135m-instruct``.
         dtype: "auto", "float32", "float16" or "bfloat16".
         max_model_len: longest prompt + output in tokens.
+        show_progress: print a line on stderr as each loading phase starts (reading, tokenizer, weights...).
         **engine_options: any other :class:`lightinfer.config.EngineConfig` field
             (``kv_cache_dtype="int8"``, ``max_num_seqs``, ``gpu_memory_utilization``, ...).
 
@@ -29,9 +30,10 @@ class LLM:
         FileNotFoundError / ValueError: see :class:`lightinfer.engine.llm_engine.LLMEngine`.
     """
 
-    def __init__(self, model: str, dtype: str = "auto", max_model_len: int | None = None, **engine_options: object) -> None:
+    def __init__(self, model: str, dtype: str = "auto", max_model_len: int | None = None, show_progress: bool = True,
+                 **engine_options: object) -> None:
         self.llm_engine = LLMEngine(EngineConfig(model=model, dtype=dtype, max_model_len=max_model_len,
-                                                 **engine_options))
+                                                 **engine_options), show_progress=show_progress)
         self._ids = itertools.count()
 
     @property

@@ -323,9 +323,13 @@ class Checkpoint:
 def _gguf_tokenizer(path: str) -> object:
     from transformers import AutoTokenizer
 
+    from lightinfer.formats.gguf_file import open_gguf
+    from lightinfer.formats.gguf_header import transformers_reads_header
+
     p = Path(path)
     try:
-        return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name, **NO_REMOTE_CODE)
+        with transformers_reads_header(open_gguf(path).header):  # the file's header parsed once, at open
+            return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name, **NO_REMOTE_CODE)
     except Exception as e:  # noqa: BLE001 -- corrupt tokenizer metadata is a bad file, not a crash
         raise refuse_remote_code(p, e) or ValueError(
             f"{p}: its tokenizer metadata could not be read ({_one_line(e)}); re-download the file") from None

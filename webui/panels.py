@@ -25,7 +25,7 @@ def weights_note(info: dict[str, Any]) -> str:
     cpu_copy = info.get("cpu_dense_bytes") or 0
     if cpu_copy:
         parts.append(f"on the CPU the quantized layers are also kept dequantized for the fp32 GEMM: "
-                     f"{cpu_copy / MIB:,.1f} MiB more")
+                     f"{cpu_copy / MIB:,.1f} MiB of it (a 16-bit dtype keeps them 4-/8-bit instead)")
     return "; ".join(parts)
 
 

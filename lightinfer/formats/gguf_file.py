@@ -1,11 +1,11 @@
 """A GGUF file opened for loading: header checked, tensors indexed by Hugging Face name, raw blocks read
 one tensor at a time.
 
-* The header and tensor table are parsed by the ``gguf`` package's ``GGUFReader``; a file shorter than
-  its tensor table says (a truncated download) is refused naming the first tensor that is cut off,
-  and a tensor type lightinfer cannot run is refused naming the tensor, its type and the supported
-  ones: both before any weight is allocated.
-* Config, tokenizer and chat template come from transformers' GGUF support, as before.
+* The header and tensor table are parsed once (``gguf_header.py``); a file shorter than its tensor
+  table says (a truncated download) is refused naming the first tensor that is cut off, and a tensor
+  type lightinfer cannot run is refused naming the tensor, its type and the supported ones: both
+  before any weight is allocated.
+* Config, tokenizer and chat template come from transformers' GGUF support, reading that same parse.
 * GGUF -> Hugging Face tensor names come from transformers' own map (``get_gguf_hf_weights_map``,
   built on gguf's ``TensorNameMap``), and so does the processing transformers applies to a tensor
   (Llama's q/k rows, which llama.cpp permutes for its RoPE): lightinfer runs transformers' processor on
@@ -28,10 +28,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
-from gguf.constants import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType
 
 from lightinfer.formats.gguf_blocks import DENSE_TYPES, UNPACKERS
+from lightinfer.formats.gguf_bounds import gguf_config_fields
+from lightinfer.formats.gguf_header import read_gguf_header, transformers_reads_header
 from lightinfer.formats.gguf_rope import apply_rope_overrides, rope_overrides
 from lightinfer.formats.scheme import LINEAR_FORMATS_KEY, LinearFormat
 
@@ -87,48 +88,6 @@ def _cached_gguf_name_map() -> Iterator[None]:
         gguf.get_tensor_name_map = original
 
 
-class _CheckedReader(GGUFReader):
-    """``GGUFReader`` that checks every tensor's type and extent against the file before building the views
-    (the stock reader would fail deep inside numpy with "cannot reshape array", or on an unknown type id)."""
-
-    def _build_tensors(self, start_offs: int, fields: list) -> None:  # type: ignore[override]
-        size = len(self.data)
-        for field in fields:
-            _, name_data, _, dims, raw_dtype, offset_tensor = field.parts
-            name = bytes(name_data).decode("utf-8", "replace")
-            try:
-                ggml_type = GGMLQuantizationType(int(raw_dtype[0]))
-            except ValueError:
-                raise _TensorError(f"tensor {name} has GGML type id {int(raw_dtype[0])}, which this gguf package "
-                                   f"does not know; lightinfer supports {_SUPPORTED_TEXT}") from None
-            block, type_size = GGML_QUANT_SIZES[ggml_type]
-            n = int(np.prod(dims.astype(np.int64)))
-            end = int(start_offs + offset_tensor[0]) + n * type_size // block
-            if end > size:
-                raise _TensorError(f"is truncated: tensor {name} ({ggml_type.name}, {n} elements) ends at byte "
-                                   f"{end} but the file has {size} bytes; re-download it")
-        super()._build_tensors(start_offs, fields)
-
-
-class _TensorError(ValueError):
-    """A per-tensor problem found while indexing (reported with the file name in front)."""
-
-
-def _read_header(path: Path) -> GGUFReader:
-    from lightinfer.formats.gguf_bounds import check_gguf_header, gguf_config_fields
-    from lightinfer.models.registry import validate_model_config
-
-    # Counts and lengths bounded by the file, and the model's sizes checked, before any reader allocates.
-    config, field_names = gguf_config_fields(check_gguf_header(path))
-    validate_model_config(config, str(path), field_names)
-    try:
-        return _CheckedReader(path)
-    except _TensorError as e:
-        raise ValueError(f"{path}: {e}") from None
-    except (ValueError, IndexError, KeyError, TypeError, OverflowError) as e:
-        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt header: {e}); re-download it") from None
-
-
 class GGUFFile:
     """An opened GGUF file (module docstring).
 
@@ -154,20 +113,22 @@ class GGUFFile:
         )
 
         self.path = Path(path)
-        reader = _read_header(self.path)
-        if reader.byte_order != "I":
-            raise ValueError(f"{self.path} is a big-endian GGUF file; lightinfer reads little-endian files only")
-        arch_field = reader.get_field("general.architecture")
-        self.architecture = str(arch_field.contents()) if arch_field is not None else "?"
-        infos = [(t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), int(t.data_offset),
-                  int(t.n_bytes)) for t in reader.tensors]
-        rope = rope_overrides(reader, self.architecture)  # what transformers' reader drops (gguf_rope.py)
-        moe_sizes = {key: reader.get_field(f"{self.architecture}.{key}") for key in _MOE_CONFIG_FIELDS}
-        moe_sizes = {key: int(f.contents()) for key, f in moe_sizes.items() if f is not None}
-        del reader  # drops its memory map
+        # Parsed once and checked (counts, lengths, tensor types and extents against the file: gguf_header.py),
+        # then the model's sizes validated before transformers or a model class sees them.
+        self.header = read_gguf_header(self.path)
+        self.architecture = str(self.header.get("general.architecture", "?"))
+        infos = [(t.name, t.ggml_type, tuple(reversed(t.dims)), t.offset, t.nbytes) for t in self.header.tensors]
+        from lightinfer.models.registry import get_model_class, validate_model_config
+
+        fields, field_names = gguf_config_fields(self.header)
+        validate_model_config(fields, str(self.path), field_names)
+        rope = rope_overrides(self.header, self.architecture)  # what transformers' reader drops (gguf_rope.py)
+        moe_sizes = {key: int(value) for key in _MOE_CONFIG_FIELDS
+                     if (value := self.header.get(f"{self.architecture}.{key}")) is not None}
         try:  # trust_remote_code=False: transformers never asks on stdin (lightinfer runs no checkpoint code)
-            self.config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name,
-                                                     trust_remote_code=False)
+            with transformers_reads_header(self.header):  # not a second (and third) parse of the file
+                self.config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name,
+                                                         trust_remote_code=False)
         except Exception as e:  # noqa: BLE001 -- corrupt metadata raises many types (OverflowError, KeyError...)
             raise ValueError(f"{self.path}: transformers cannot read its config from the metadata "
                              f"({type(e).__name__}: {' '.join(str(e).split())[:300]}); re-download the file") from None
@@ -175,12 +136,15 @@ class GGUFFile:
         for key, value in moe_sizes.items():  # transformers' GGUF config reader leaves these at their defaults
             if hasattr(self.config, _MOE_CONFIG_FIELDS[key]):
                 setattr(self.config, _MOE_CONFIG_FIELDS[key], value)
-        from lightinfer.models.registry import validate_model_config
-
         validate_model_config(self.config, f"{self.path} (metadata read as a transformers config)")
         self._processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=self.config.to_dict())
-        with torch.device("meta"):  # only for names: a meta model allocates nothing
-            skeleton = AutoModelForCausalLM.from_config(self.config, trust_remote_code=False)
+        model_cls = get_model_class(self.config)
+        # Only for names, built on the meta device (allocates nothing): lightinfer's own model has transformers'
+        # parameter names (transformers' modeling module would take ~1 s of start-up to import); a MoE model's
+        # stacked experts are named as transformers' fused experts, so those take transformers' model.
+        with torch.device("meta"):
+            skeleton = (AutoModelForCausalLM.from_config(self.config, trust_remote_code=False)
+                        if model_cls.moe_layer_ids(self.config) else model_cls(self.config, None, torch.float32))
         with _cached_gguf_name_map():
             name_map = get_gguf_hf_weights_map(skeleton, self._processor)
         self.tensors: dict[str, GGUFTensor] = {}

@@ -10,34 +10,43 @@ full-width RoPE: right within 4k tokens of a 128k model, wrong past them, and wr
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGMLQuantizationType
+
+from lightinfer.formats.gguf_header import GGUFHeader, TensorInfo
 
 
-def _field(reader: object, key: str) -> object | None:
-    field = reader.get_field(key)  # type: ignore[attr-defined]
-    return None if field is None else field.contents()
+def _f32_tensor(header: GGUFHeader, info: TensorInfo) -> list[float]:
+    """A small F32 tensor's values, read from the file at its offset."""
+    if info.ggml_type != GGMLQuantizationType.F32:
+        raise ValueError(f"{header.path}: tensor {info.name} is {info.ggml_type.name}; llama.cpp writes it as F32")
+    return np.fromfile(header.path, dtype=np.float32, count=info.nbytes // 4, offset=info.offset).tolist()
 
 
-def rope_overrides(reader: object, arch: str) -> dict:
-    """Config attributes to set for the file read by ``reader`` (a ``gguf.GGUFReader``) of architecture ``arch``:
-    ``{"rope_parameters": {...}, "original_max_position_embeddings": n, "partial_rotary_factor": f}``, those
-    that apply (empty for other architectures)."""
+def rope_overrides(header: GGUFHeader, arch: str) -> dict:
+    """Config attributes to set for the file whose parsed header is ``header`` (``gguf_header.read_gguf_header``)
+    of architecture ``arch``: ``{"rope_parameters": {...}, "original_max_position_embeddings": n,
+    "partial_rotary_factor": f}``, those that apply (empty for other architectures).
+
+    Raises:
+        ValueError: a rope-factor tensor that is not F32.
+    """
     if arch != "phi3":
         return {}
     out: dict = {}
-    tensors = {t.name: t for t in reader.tensors}  # type: ignore[attr-defined]
-    dims, heads = _field(reader, f"{arch}.rope.dimension_count"), _field(reader, f"{arch}.attention.head_count")
-    width = _field(reader, f"{arch}.embedding_length")
+    tensors = {t.name: t for t in header.tensors}
+    dims, heads = header.get(f"{arch}.rope.dimension_count"), header.get(f"{arch}.attention.head_count")
+    width = header.get(f"{arch}.embedding_length")
     if dims and heads and width and int(dims) < int(width) // int(heads):
         out["partial_rotary_factor"] = int(dims) / (int(width) // int(heads))
     if "rope_factors_long.weight" in tensors and "rope_factors_short.weight" in tensors:
         rope = {"rope_type": "longrope",
-                "long_factor": np.asarray(tensors["rope_factors_long.weight"].data, np.float32).tolist(),
-                "short_factor": np.asarray(tensors["rope_factors_short.weight"].data, np.float32).tolist()}
-        original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+                "long_factor": _f32_tensor(header, tensors["rope_factors_long.weight"]),
+                "short_factor": _f32_tensor(header, tensors["rope_factors_short.weight"])}
+        original = header.get(f"{arch}.rope.scaling.original_context_length")
         if original:
             rope["original_max_position_embeddings"] = int(original)
             out["original_max_position_embeddings"] = int(original)
-        attention = _field(reader, f"{arch}.rope.scaling.attn_factor")
+        attention = header.get(f"{arch}.rope.scaling.attn_factor")
         if attention:
             rope["attention_factor"] = float(attention)
         out["rope_parameters"] = rope

@@ -220,10 +220,13 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, kv: PagedKV, ctx: AttentionMetadata) -> torch.Tensor:
         """q ``[T, H, D]`` against the cache (this step's k/v already in it) -> ``[T, H * D]``."""
         ops = ops_for(q)
-        out = torch.empty_like(q)
         nd = ctx.num_decodes
         tables = ctx.group(self.kv_group)
         extra = self._window_args
+        if nd == q.shape[0]:  # a decode-only step: no output buffer to scatter into
+            return ops.paged_attention_decode(q, kv, tables.decode_block_tables, ctx.decode_context_lens,
+                                              self.scale, **extra).reshape(q.shape[0], -1)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = ops.paged_attention_decode(q[:nd], kv, tables.decode_block_tables, ctx.decode_context_lens,
                                                   self.scale, **extra)

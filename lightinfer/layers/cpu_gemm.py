@@ -18,6 +18,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from lightinfer.kernels import switches
+
 logger = logging.getLogger("lightinfer")
 
 # oneDNN picks its blocking for this many rows; decode batches are 1..max_num_seqs and prefill
@@ -43,6 +45,13 @@ def onednn_gemm_available() -> bool:
     if not ok:
         logger.warning("oneDNN prepacked GEMM disagrees with F.linear here; using F.linear")
     return ok
+
+
+def use_cpu_lowbit(activation_dtype: torch.dtype) -> bool:
+    """Whether 4-/8-bit layers with ``activation_dtype`` activations stay low-bit on a CPU: for 16-bit
+    activations (torch's int4 GEMM takes bf16; fp32 activations keep the exact dequantized path) unless the
+    ``cpu_lowbit`` switch (``LIGHTINFER_CPU_LOWBIT=0``) says otherwise."""
+    return activation_dtype in (torch.bfloat16, torch.float16) and switches.current().cpu_lowbit
 
 
 def can_pack(weight: torch.Tensor) -> bool:

@@ -12,10 +12,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightinfer.kernels import SplitKPartials, dequantize_w4, repack_awq_to_runtime, zeros_are_integers
-from lightinfer.layers.cpu_gemm import PackedWeight, can_pack
-from lightinfer.layers.ops import ops_for, uses_triton
-from lightinfer.layers.w8_linear import W8A16Linear, inverse_permutation
+from lightinfer.kernels import (
+    CpuQuantWeight,
+    SplitKPartials,
+    cpu_quant_linear,
+    dequantize_w4,
+    prepare_w4_cpu,
+    repack_awq_to_runtime,
+    zeros_are_integers,
+)
+from lightinfer.layers.cpu_gemm import PackedWeight, can_pack, use_cpu_lowbit
+from lightinfer.layers.ops import backend_name, ops_for, uses_triton
+from lightinfer.layers.w8_linear import W8A16Linear, check_runtime_tensors, inverse_permutation
 
 
 class Linear(nn.Module):
@@ -82,6 +90,8 @@ class W4A16Linear(nn.Module):
         self.integer_zeros = False  # set by load_awq / load_runtime (and the dummy weights) once the zeros are known
         self._dense: torch.Tensor | None = None  # CPU only: the weight dequantized once, [out, in]
         self._packed: PackedWeight | None = None  # CPU only: that weight prepacked (cpu_gemm)
+        self._lowbit: CpuQuantWeight | None = None  # CPU only: the 4-bit weight in torch's int4 GEMM layout
+        self.rows_read = False  # an embedding reads rows of this table: pack_for_cpu keeps the run-time tensors
 
     @torch.no_grad()
     def load_awq(self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> None:
@@ -103,7 +113,7 @@ class W4A16Linear(nn.Module):
         self.scales.copy_(s)
         self.zeros.copy_(z)
         self.integer_zeros = True  # AWQ zero points are 4-bit codes
-        self._dense = self._packed = None
+        self._dense = self._packed = self._lowbit = None
 
     @torch.no_grad()
     def load_runtime(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -126,44 +136,62 @@ class W4A16Linear(nn.Module):
         self.zeros.copy_(zeros)
         self.integer_zeros = zeros_are_integers(self.zeros)
         self.input_perm = None if input_perm is None else input_perm.to(self.qweight.device, torch.int64)
-        self._dense = self._packed = None
+        self._dense = self._packed = self._lowbit = None
 
     def dense_weight(self) -> torch.Tensor:
-        """The weight ``[out, in]`` in the original input order, in the scales' dtype."""
+        """The weight ``[out, in]`` in the original input order, in the scales' dtype.
+
+        Raises:
+            RuntimeError: the run-time tensors were released for the CPU engine (:meth:`pack_for_cpu`).
+        """
+        check_runtime_tensors(self)
         w = dequantize_w4(self.qweight, self.scales, self.zeros)
         if self.input_perm is not None:
             w = w.index_select(1, inverse_permutation(self.input_perm))
         return w
 
     def pack_for_cpu(self) -> None:
-        """On CPU, dequantize the weight once and prepack it for the fp32 GEMM (``cpu_gemm``);
-        the 4-bit tensors stay (they are what a GPU or an export reads). No-op on CUDA."""
-        if self.qweight.is_cuda:
-            return
-        dense = self.dense_weight()
-        if can_pack(dense):
-            self._packed, self._dense = PackedWeight(dense), None
-        else:  # keep it for the F.linear path rather than dequantizing again at the first forward
-            self._dense = dense
+        """Prepare the weight once for the CPU GEMM; no-op on CUDA. With 16-bit activations (and the
+        ``cpu_lowbit`` switch on) it stays 4-bit, in torch's int4 GEMM layout (``kernels.prepare_w4_cpu``);
+        otherwise (fp32 activations: the exact path) it is dequantized once and prepacked for the fp32
+        GEMM (``cpu_gemm``). A low-bit prepared form replaces the run-time tensors (``qweight`` etc. become
+        None: the same codes are not held twice) unless ``rows_read`` (an embedding reads rows of this
+        table); the exact path keeps them beside its dense copy."""
+        if self.qweight is None or self.qweight.is_cuda or self._lowbit is not None or self._packed is not None:
+            return  # (a tied table is reached twice: as the embedding's and as the LM head's)
+        if use_cpu_lowbit(self.scales.dtype):
+            self._lowbit = prepare_w4_cpu(self.qweight, self.scales, self.zeros, self.input_perm)
+        if self._lowbit is None:
+            dense = self.dense_weight()
+            if can_pack(dense):
+                self._packed = PackedWeight(dense)
+            else:  # kept for the F.linear path rather than dequantized again at every forward
+                self._dense = dense
+        if self._lowbit is not None and not self.rows_read:  # the same codes in another layout: one copy
+            self.qweight = self.scales = self.zeros = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
         """``x [..., in]`` -> ``[..., out]`` (fp32 accumulation).
 
-        On CUDA the Triton kernel reads the 4-bit weight every call (that is the point: 4x fewer
-        bytes). On a CPU, where only correctness matters, the weight is dequantized once and kept:
-        dequantizing per step would cost more than the matmul itself. With ``defer_reduce`` and a
-        2-D ``x`` on the Triton path, a split K comes back as unreduced :class:`SplitKPartials`.
+        On the ``torch_cpu`` backend (a CPU engine) the weight prepared by :meth:`pack_for_cpu` (4-bit in
+        torch's int4 GEMM, or the exact dequantized fallback); a layer used unprepared dequantizes once and
+        keeps that. On the ``triton`` and ``reference`` backends the op reads the 4-bit run-time tensors
+        every call (on CUDA that is the point: 4x fewer bytes). With ``defer_reduce`` and a 2-D ``x`` on
+        the Triton path, a split K comes back as unreduced :class:`SplitKPartials`.
         """
         shape = x.shape
-        if self._packed is not None and not uses_triton(x):
-            return self._packed(x, self.bias)
-        if not uses_triton(x):
+        if backend_name(x) == "torch_cpu":
+            if self._lowbit is not None:
+                return cpu_quant_linear(x, self._lowbit, self.bias)
+            if self._packed is not None:
+                return self._packed(x, self.bias)
             if self._dense is None:
                 self._dense = self.dense_weight()
             return F.linear(x, self._dense.to(x.dtype), self.bias)
+        check_runtime_tensors(self)
         if self.input_perm is not None:  # act-order: the stored K order
             x = x.index_select(-1, self.input_perm)
-        if self.defer_reduce and x.dim() == 2:
+        if self.defer_reduce and x.dim() == 2 and uses_triton(x):
             return ops_for(x).w4a16_gemm(x, self.qweight, self.scales, self.zeros, self.bias, defer_reduce=True,
                                          integer_zeros=self.integer_zeros)
         y = ops_for(x).w4a16_gemm(x.reshape(-1, shape[-1]), self.qweight, self.scales, self.zeros, self.bias,
@@ -245,7 +273,8 @@ def linear_nbytes(
 
     Returns:
         ``(stored, cpu_dense)``: the layer's parameters and buffers; and for a W4/W8 layer the dense copy of
-        its weight that a CPU engine keeps for the fp32 GEMM (``pack_for_cpu``), else 0.
+        its weight that a CPU engine keeps for the fp32 GEMM (``pack_for_cpu``), else 0 (also 0 where the layer
+        stays low-bit on a CPU, ``use_cpu_lowbit(dtype)``: its prepared form replaces the run-time tensors).
     """
     from lightinfer.formats.scheme import linear_format
 
@@ -259,4 +288,4 @@ def linear_nbytes(
         stored = out_features * in_features // 2 + 2 * groups * out_features * elem
     else:  # int8 codes [N, K]; fp32 scales (and zeros unless symmetric) [K/G, N]
         stored = out_features * in_features + (1 if fmt.symmetric else 2) * groups * out_features * 4
-    return stored + bias_bytes, in_features * out_features * elem
+    return stored + bias_bytes, 0 if use_cpu_lowbit(dtype) else in_features * out_features * elem

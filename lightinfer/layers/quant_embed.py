@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightinfer.kernels import dequantize_w4, dequantize_w8
+from lightinfer.kernels import dequantize_w4
 from lightinfer.layers.linear import W4A16Linear
 from lightinfer.layers.w8_linear import W8A16Linear
 
@@ -21,8 +21,7 @@ def dequantize_rows(table: W4A16Linear | W8A16Linear, ids: torch.Tensor) -> torc
     """Rows ``ids`` (int64 ``[T]``) of ``table``'s weight, dequantized: ``[T, hidden]`` in fp32 (W8)
     or the scales' dtype (W4)."""
     if isinstance(table, W8A16Linear):
-        zeros = None if table.zeros is None else table.zeros.index_select(1, ids)
-        return dequantize_w8(table.qweight.index_select(0, ids), table.scales.index_select(1, ids), zeros)
+        return table.rows(ids)
     return dequantize_w4(table.qweight.index_select(0, ids), table.scales.index_select(1, ids),
                          table.zeros.index_select(1, ids))
 
@@ -39,17 +38,18 @@ class QuantizedVocabEmbedding(nn.Module):
     def __init__(self, table: W4A16Linear | W8A16Linear, dtype: torch.dtype) -> None:
         super().__init__()
         self.table = table
+        table.rows_read = True  # the CPU engine's pack_for_cpu keeps the codes this embedding reads
         self.vocab_size = table.out_features
         self.dtype = dtype
 
     @property
-    def weight(self) -> torch.Tensor:
-        """The table's codes (what decides its device)."""
-        return self.table.qweight
+    def device(self) -> torch.device:
+        """Where the table lives."""
+        return self.table.device if isinstance(self.table, W8A16Linear) else self.table.qweight.device
 
     @property
     def on_host(self) -> bool:
-        return self.table.qweight.device.type == "cpu"
+        return self.device.type == "cpu"
 
     def offload_to_host(self) -> None:
         """Move the quantized table to host memory (in place); looked-up rows are dequantized there."""
@@ -62,10 +62,10 @@ class QuantizedVocabEmbedding(nn.Module):
 
     def lookup(self, input_ids: list[int], device: torch.device) -> torch.Tensor:
         """Rows of ``input_ids`` (host ints) -> ``[T, hidden]`` on ``device``."""
-        return self._rows(torch.tensor(input_ids, dtype=torch.long, device=self.weight.device)).to(device)
+        return self._rows(torch.tensor(input_ids, dtype=torch.long, device=self.device)).to(device)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self._rows(input_ids.to(self.weight.device)).to(input_ids.device)
+        return self._rows(input_ids.to(self.device)).to(input_ids.device)
 
 
 class QuantizedLMHead(nn.Module):
@@ -76,8 +76,8 @@ class QuantizedLMHead(nn.Module):
         self.table = table
 
     def pack_for_cpu(self, keep_weight: bool) -> None:
-        """On CPU the table dequantizes once for the GEMM (as every quantized layer there);
-        ``keep_weight`` is moot: the quantized table always stays (the embedding reads it)."""
+        """On CPU the table is prepared once for the GEMM (``pack_for_cpu`` of its layer); ``keep_weight``
+        is moot: a tied table's codes stay because the embedding marks them as read (``rows_read``)."""
         del keep_weight
         self.table.pack_for_cpu()
 

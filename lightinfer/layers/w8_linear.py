@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightinfer.kernels import dequantize_w8
-from lightinfer.layers.cpu_gemm import PackedWeight, can_pack
-from lightinfer.layers.ops import ops_for, uses_triton
+from lightinfer.kernels import CpuQuantWeight, cpu_quant_linear, dequantize_w8, prepare_w8_cpu
+from lightinfer.layers.cpu_gemm import PackedWeight, can_pack, use_cpu_lowbit
+from lightinfer.layers.ops import backend_name, ops_for
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
@@ -23,6 +23,21 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype)
     return inv
+
+
+# A table that also keeps a 16-bit dense copy (see W8A16Linear.pack_for_cpu) multiplies with it from this many
+# rows up: the two int4 halves read fewer bytes, but torch's int4 kernel re-decodes its weight for every few
+# rows (one thread, the 49,152 x 576 LM head: halves 2.35 / 3.4 / 14.0 / 58 ms at 1 / 4 / 16 / 64 rows,
+# bf16 dense 3.4 / 4.0 / 6.1 / 12.1 ms; docs/cpu_performance.md).
+HALVES_MAX_ROWS = 8
+
+
+def check_runtime_tensors(layer: nn.Module) -> None:
+    """Raise RuntimeError when a quantized layer's run-time tensors were released by ``pack_for_cpu``."""
+    if layer.qweight is None:
+        raise RuntimeError(f"{type(layer).__name__} {layer.in_features}->{layer.out_features}: its run-time tensors "
+                           f"were replaced by the CPU engine's prepared weight (pack_for_cpu); the Triton path "
+                           f"and dense_weight() need a layer that was not packed for the CPU")
 
 
 class W8A16Linear(nn.Module):
@@ -60,6 +75,8 @@ class W8A16Linear(nn.Module):
         self.dtype = dtype
         self._dense: torch.Tensor | None = None  # CPU only: the weight dequantized once, [out, in]
         self._packed: PackedWeight | None = None
+        self._lowbit: CpuQuantWeight | None = None  # CPU only: the codes in torch's int4 GEMM layout (two halves)
+        self.rows_read = False  # an embedding reads rows of this table: pack_for_cpu keeps the int8 tensors
 
     @torch.no_grad()
     def load_runtime(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -83,34 +100,70 @@ class W8A16Linear(nn.Module):
         if zeros is not None:
             self.zeros.copy_(zeros.to(torch.float32))
         self.input_perm = None if input_perm is None else input_perm.to(self.qweight.device, torch.int64)
-        self._dense = self._packed = None
+        self._dense = self._packed = self._lowbit = None
 
     def dense_weight(self) -> torch.Tensor:
-        """The weight ``[out, in]`` in the original input order, dequantized in fp32."""
+        """The weight ``[out, in]`` in the original input order, dequantized in fp32.
+
+        Raises:
+            RuntimeError: the int8 tensors were released for the CPU engine (:meth:`pack_for_cpu`).
+        """
+        check_runtime_tensors(self)
         w = dequantize_w8(self.qweight, self.scales, self.zeros)
         if self.input_perm is not None:
             w = w.index_select(1, inverse_permutation(self.input_perm))
         return w
 
     def pack_for_cpu(self) -> None:
-        """On CPU, dequantize once (in the activation dtype) and prepack it for the GEMM, as
-        ``W4A16Linear`` does; the int8 tensors stay. No-op on CUDA."""
-        if self.qweight.is_cuda:
+        """Prepare the weight once for the CPU GEMM, as ``W4A16Linear`` does: with 16-bit activations it
+        stays 8-bit (two exact 4-bit halves in torch's int4 GEMM layout, ``kernels.prepare_w8_cpu``),
+        otherwise it is dequantized once (in the activation dtype) and prepacked. The low-bit form replaces
+        the int8 tensors; a table an embedding reads (``rows_read``, e.g. a tied Q8_0 embedding / LM head)
+        keeps its rows as a 16-bit dense copy instead, which from :data:`HALVES_MAX_ROWS` rows up is also
+        the faster product. No-op on CUDA."""
+        if self.qweight is None or self.qweight.is_cuda or self._lowbit is not None or self._packed is not None:
+            return  # (a tied table is reached twice: as the embedding's and as the LM head's)
+        if use_cpu_lowbit(self.dtype):
+            self._lowbit = prepare_w8_cpu(self.qweight, self.scales, self.zeros, self.input_perm)
+        if self._lowbit is None:
+            dense = self.dense_weight().to(self.dtype)
+            if can_pack(dense):
+                self._packed = PackedWeight(dense)
+            else:
+                self._dense = dense
             return
-        dense = self.dense_weight().to(self.dtype)
-        if can_pack(dense):
-            self._packed, self._dense = PackedWeight(dense), None
-        else:
-            self._dense = dense
+        if self.rows_read:
+            self._dense = self.dense_weight().to(self.dtype)
+        self.qweight = self.scales = self.zeros = None  # the same codes in another layout: one copy
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (int64 ``[T]``) of the weight ``[T, in]`` (the embedding's lookup): dequantized from the
+        int8 tensors in fp32, or read from the CPU engine's 16-bit copy once those are released."""
+        if self.qweight is None and self._dense is not None:
+            return self._dense.index_select(0, ids)
+        zeros = None if self.zeros is None else self.zeros.index_select(1, ids)
+        return dequantize_w8(self.qweight.index_select(0, ids), self.scales.index_select(1, ids), zeros)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weight lives (its int8 codes, or the forms the CPU engine prepared)."""
+        held = (self.qweight, self._dense, None if self._lowbit is None else self._lowbit.packed)
+        return next(t for t in held if t is not None).device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., in]`` -> ``[..., out]`` (fp32 accumulation)."""
-        if not uses_triton(x):
+        """``x [..., in]`` -> ``[..., out]`` (fp32 accumulation): the prepared weight on the ``torch_cpu``
+        backend, the op over the int8 run-time tensors on ``triton`` / ``reference`` (as ``W4A16Linear``)."""
+        if backend_name(x) == "torch_cpu":
+            if self._lowbit is not None:
+                if self._dense is not None and x.numel() >= HALVES_MAX_ROWS * self.in_features:
+                    return F.linear(x, self._dense, self.bias)
+                return cpu_quant_linear(x, self._lowbit, self.bias)
             if self._packed is not None:
                 return self._packed(x, self.bias)
             if self._dense is None:
                 self._dense = self.dense_weight().to(self.dtype)
             return F.linear(x, self._dense.to(x.dtype), self.bias)
+        check_runtime_tensors(self)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.input_perm is not None:

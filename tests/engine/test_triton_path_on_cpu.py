@@ -76,7 +76,7 @@ def test_triton_path_matches_torch_cpu_path(tmp_path_factory: pytest.TempPathFac
     for on_triton in (False, True):
         # A fresh engine per run: no prefix-cache hit may carry KV from one path into the other.
         # max_num_batched_tokens 32 cuts the 40-token prompt into chunks (prefill over a cached prefix).
-        llm = LLM(tiny_dir, load_format="dummy", quantization="awq", kv_cache_dtype=kv_cache_dtype,
+        llm = LLM(tiny_dir, load_format="dummy", quantization="awq", dtype="float32", kv_cache_dtype=kv_cache_dtype,
                   skip_tokenizer_init=True, kv_cache_memory_bytes=8 << 20, max_model_len=256,
                   max_num_batched_tokens=32, max_num_seqs=4)
         if on_triton:

@@ -36,8 +36,10 @@ def _tiny_dir(tmp_path_factory: pytest.TempPathFactory, arch: str) -> str:
 def _run(path: str, fuse: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, list[list[int]], LLM]:
     if not fuse:
         monkeypatch.setattr(model_runner, "fuse_model", lambda model: FusionReport())
-    llm = LLM(path, load_format="dummy", quantization="awq", kv_cache_dtype="int8", skip_tokenizer_init=True,
-              kv_cache_memory_bytes=4 << 20, max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4)
+    # fp32 (not the CPU's low-bit bf16 default): the comparison below holds to fp32 summation order
+    llm = LLM(path, load_format="dummy", quantization="awq", dtype="float32", kv_cache_dtype="int8",
+              skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20, max_model_len=128, max_num_batched_tokens=16,
+              max_num_seqs=4)
     monkeypatch.undo()
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     return llm.llm_engine.prompt_logits(PROMPTS[1]), [o.outputs[0].token_ids for o in outs], llm

@@ -98,6 +98,8 @@ def test_serve_tool_call_parser_flag() -> None:
     bad = _parse(["serve", "m", "--tool-call-parser", "nope", "--port", str(free_port())])
     with pytest.raises(ValueError, match="tool-call parser 'nope' is unknown"):  # before any model loads
         commands.run_serve(bad)
+
+
 def test_notes_carry_no_status() -> None:
     """A note with ``status: "done"`` made Gradio draw a "•••" bubble under every earlier reply while a later
     one streamed (issue 19 item 12); notes are still recognised and kept from the model."""
@@ -149,7 +151,7 @@ def test_model_panel_says_why_memory_differs_from_the_files() -> None:
                       "max_model_len": 2048, "device": "cpu", "dtype": "float32"})
     assert "171.4 MiB in memory ¹" in md and "checkpoint files are 108.7 MiB" in md
     assert "float32, where files usually hold 16 bits" in md and "scales and zeros in float32" in md
-    assert "kept dequantized for the fp32 GEMM: 500.0 MiB more" in md
+    assert "kept dequantized for the fp32 GEMM: 500.0 MiB of it" in md
 
 
 def test_reply_tracker_reports_only_stopped_replies() -> None:
@@ -171,3 +173,28 @@ def test_reply_tracker_reports_only_stopped_replies() -> None:
 
     stopped, finished, unknown = asyncio.run(main())
     assert stopped is not None and stopped.startswith("5 tokens") and finished is None and unknown is None
+
+
+def test_demo_serves_the_gguf_unless_awq_is_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    served = []
+    monkeypatch.setattr(commands, "check_port_free", lambda host, port: None)
+    monkeypatch.setattr(commands, "ensure_embedded_model", lambda: None)
+    monkeypatch.setattr(commands, "ensure_quantized", lambda requantize=False: Path("/cache/awq"))
+    monkeypatch.setattr(commands, "run_serve", lambda args: served.append(args.model) or 0)
+    assert commands.run_demo(_parse(["demo"])) == 0 and served == ["smollm2-135m-instruct"]  # 4-bit, no AWQ minutes
+    commands.run_demo(_parse(["demo", "--awq"]))
+    assert served[-1] == "/cache/awq"
+
+
+def test_ui_queue_does_not_poll_every_millisecond() -> None:
+    """Gradio's queue polls 1,000 times a second when idle (3-10% of a core for a server nobody uses)."""
+    import gradio as gr
+
+    from lightinfer.webui.app import PROGRESS_POLL_S, QUEUE_POLL_S, quiet_when_idle
+
+    with gr.Blocks() as demo:
+        gr.Markdown("x")
+    demo.queue()
+    assert demo._queue.sleep_when_free < QUEUE_POLL_S  # what Gradio does by default, off Windows
+    quiet_when_idle(demo)
+    assert demo._queue.sleep_when_free >= 0.05 and demo._queue.progress_update_sleep_when_free >= PROGRESS_POLL_S

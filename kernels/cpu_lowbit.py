@@ -1,0 +1,188 @@
+"""Low-bit weights on the CPU: 4- and 8-bit linears that stay 4-/8-bit in memory, through torch's own int4 GEMM.
+
+The CPU matrix product of ``W4A16Linear`` / ``W8A16Linear`` (and of the experts of a MoE layer), chosen by
+measuring the candidates at SmolLM2's shapes (``bench/cpu_gemm.py``, ``docs/cpu_performance.md``): torch's
+``_weight_int4pack_mm_for_cpu`` (what the x86 and aarch64 torch wheels ship; AVX-512 / AVX2 micro-kernels,
+bf16 activations, fp32 accumulation) reads half a byte per weight and beats every dense fp32 or bf16 GEMM at
+the row counts of a decode step, and stays ahead of the fp32 one at prefill sizes.
+
+A weight is converted once, at load time, by :func:`prepare_w4` / :func:`prepare_w8` into a
+:class:`CpuQuantWeight` (opaque to callers), and used by :func:`quant_linear`:
+
+* **W4** (AWQ, GPTQ, compressed-tensors, GGUF Q4_0/Q4_1/Q4_K, all already in the W4 run-time layout of
+  ``w4_layout.py``): torch's packed codes plus ``[K // G, N, 2]`` bf16 (scale, offset) pairs, where torch's
+  kernel computes ``w = (q - 8) * scale + offset``; our ``w = (q - z) * s`` is that with
+  ``offset = (8 - z) * s`` (exact for fractional zeros too, up to bf16 rounding).
+* **W8** (GGUF Q8_0 / Q5_* / Q6_K, 8-bit GPTQ; the W8 layout of ``reference.py``): each int8 code splits
+  exactly into two 4-bit codes, ``q = 16 * hi + lo`` with ``hi = q >> 4`` in -8..7 and ``lo = q & 15``, so
+  ``(q - z) * s = (hi_code - 8) * 16 s + (lo_code - 8) * s + (8 - z) * s``: two int4 weights stacked along
+  N, one GEMM over ``2 N`` outputs, and one add of the halves. The codes are the file's, bit for bit.
+
+torch's kernel takes group sizes 32, 64, 128 and 256 and ``N`` a multiple of 16; a larger group (e.g. one
+per output channel) is expressed with a smaller one by repeating its scale. Shapes it cannot take
+(a group of 16, as Q6_K's; ``N`` not a multiple of 16 for W4, of 8 for W8) get None from the prepare
+functions, and the layer keeps its exact dequantized fallback. The math is the reference twins'
+(``reference.w4a16_gemm`` / ``w8a16_gemm``), with bf16 activations: the tests hold them together.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .w4_layout import unpack_int4_rows
+
+INT4_GROUP_SIZES = (256, 128, 64, 32)  # what torch's CPU int4 GEMM takes (largest first)
+COMPUTE_DTYPE = torch.bfloat16  # the activation dtype of torch's fast CPU int4 path (fp32/fp16: naive loops)
+_PACK_ROWS = 4096  # rows packed per call at load: bounds the int32 code temporaries (a multiple of 64)
+
+
+def int4_gemm_available() -> bool:
+    """Whether this torch ships the CPU int4 GEMM (``_weight_int4pack_mm_for_cpu`` and its packer)."""
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+        torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+
+
+@dataclass
+class CpuQuantWeight:
+    """A 4- or 8-bit weight prepared for :func:`quant_linear` (module docstring). Opaque to callers.
+
+    Attributes:
+        out_features, in_features: N and K of ``y = x W^T``.
+        packed: uint8, torch's packed int4 codes of ``num_splits * N`` rows.
+        scale_offset: bf16 ``[K // group_size, num_splits * N, 2]``.
+        group_size: the int4 kernel's group (32..256).
+        num_splits: 1 (W4) or 2 (W8: the high and low nibbles, summed).
+        input_perm: None, or int64 ``[K]``: the stored K order is ``x[..., input_perm]`` (act-order).
+    """
+
+    out_features: int
+    in_features: int
+    packed: torch.Tensor
+    scale_offset: torch.Tensor
+    group_size: int
+    num_splits: int = 1
+    input_perm: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (codes, scales and offsets)."""
+        return (self.packed.numel() * self.packed.element_size()
+                + self.scale_offset.numel() * self.scale_offset.element_size())
+
+
+def _kernel_group(group_size: int, k: int) -> int | None:
+    """The largest group the int4 kernel takes that divides ``group_size`` (and so K), or None."""
+    return next((g for g in INT4_GROUP_SIZES if group_size % g == 0 and k % g == 0), None)
+
+
+def _pack_rows(rows: int, codes_of: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """torch's packed layout of ``rows`` rows whose int32 codes (0..15) ``codes_of(start, end)`` gives, made
+    in chunks of rows: the packer takes one int32 per code, and small chunks keep those temporaries in cache."""
+    pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+    if rows <= _PACK_ROWS or rows % 64:  # the layout is blocked by 64 rows: chunks must keep that alignment
+        return pack(codes_of(0, rows).contiguous(), 1)
+    return torch.cat([pack(codes_of(i, min(i + _PACK_ROWS, rows)).contiguous(), 1)
+                      for i in range(0, rows, _PACK_ROWS)])
+
+
+def _w4_codes(qweight: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """int32 codes ``[end - start, K]`` of rows ``start:end`` of a W4 ``qweight`` (int32 ``[N, K // 8]``)."""
+    if sys.byteorder != "little":
+        return unpack_int4_rows(qweight[start:end])
+    # Little-endian words: byte b of a row holds codes 2b (low nibble) and 2b + 1 (high nibble); working on
+    # bytes moves a quarter of the data that shifting int32 words would.
+    b = qweight[start:end].contiguous().view(torch.uint8)
+    return torch.stack([b & 15, b >> 4], dim=-1).reshape(end - start, -1).to(torch.int32)
+
+
+def _scale_offset(scales: torch.Tensor, offsets: torch.Tensor, group_size: int, kernel_group: int) -> torch.Tensor:
+    """fp32 ``[K // G, R]`` scales and offsets -> bf16 ``[K // g, R, 2]`` for the kernel's group ``g``."""
+    pairs = torch.stack([scales, offsets], dim=-1)
+    if kernel_group != group_size:  # a coarser group is the finer one with its values repeated
+        pairs = pairs.repeat_interleave(group_size // kernel_group, dim=0)
+    return pairs.to(COMPUTE_DTYPE).contiguous()
+
+
+@torch.no_grad()
+def prepare_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+               input_perm: torch.Tensor | None = None) -> CpuQuantWeight | None:
+    """The W4 run-time layout (``w4_layout.py``: int32 ``[N, K // 8]``, scales and zeros ``[K // G, N]``) in
+    the form :func:`quant_linear` reads, or None where torch's int4 GEMM cannot take it (no such op in this
+    torch, ``N`` not a multiple of 16, or no kernel group dividing ``G``)."""
+    n, k = qweight.shape[0], qweight.shape[1] * 8
+    group_size = k // scales.shape[0]
+    kernel_group = _kernel_group(group_size, k)
+    if not int4_gemm_available() or qweight.device.type != "cpu" or n % 16 or kernel_group is None:
+        return None
+    s = scales.to(torch.float32)
+    offsets = (8.0 - zeros.to(torch.float32)) * s
+    return CpuQuantWeight(n, k, _pack_rows(n, lambda a, b: _w4_codes(qweight, a, b)),
+                          _scale_offset(s, offsets, group_size, kernel_group), kernel_group, 1,
+                          None if input_perm is None else input_perm.to(torch.int64))
+
+
+@torch.no_grad()
+def prepare_w8(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+               input_perm: torch.Tensor | None = None) -> CpuQuantWeight | None:
+    """The W8 run-time layout (``reference.py``: int8 ``[N, K]``, fp32 scales and optional zeros
+    ``[K // G, N]``) as two exact int4 halves (module docstring), or None where the int4 GEMM cannot take it
+    (no such op, ``N`` not a multiple of 8, or no kernel group dividing ``G``, e.g. Q6_K's 16)."""
+    n, k = qweight.shape
+    group_size = k // scales.shape[0]
+    kernel_group = _kernel_group(group_size, k)
+    if not int4_gemm_available() or qweight.device.type != "cpu" or n % 8 or kernel_group is None:
+        return None
+    s = scales.to(torch.float32)
+    z = torch.zeros_like(s) if zeros is None else zeros.to(torch.float32)
+    # hi half: (hi_code - 8) * 16 s, offset 0; lo half: (lo_code - 8) * s + (8 - z) * s
+    pairs_s = torch.cat([16.0 * s, s], dim=1)
+    pairs_o = torch.cat([torch.zeros_like(s), (8.0 - z) * s], dim=1)
+    # hi = q >> 4 (arithmetic: -8..7) stored as hi + 8; lo = q & 15. Rows 0..N-1 are the hi halves, N..2N-1 the lo.
+    hi = _pack_rows(n, lambda a, b: (qweight[a:b].to(torch.int32) >> 4) + 8)
+    lo = _pack_rows(n, lambda a, b: qweight[a:b].to(torch.int32) & 15)
+    return CpuQuantWeight(n, k, torch.cat([hi, lo]) if n % 64 == 0 else _pack_rows(
+                              2 * n, lambda a, b: _w8_halves(qweight, a, b)),
+                          _scale_offset(pairs_s, pairs_o, group_size, kernel_group), kernel_group, 2,
+                          None if input_perm is None else input_perm.to(torch.int64))
+
+
+def _w8_halves(qweight: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """int32 codes of rows ``start:end`` of the stacked ``[hi; lo]`` halves of a W8 ``qweight`` ``[N, K]``."""
+    q = qweight.to(torch.int32)
+    return torch.cat([(q >> 4) + 8, q & 15])[start:end]
+
+
+def quant_linear(x: torch.Tensor, weight: CpuQuantWeight, bias: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``y = x @ W^T (+ bias)`` for a prepared low-bit ``weight``.
+
+    Args:
+        x: ``[..., K]`` float (cast to bf16 for the kernel, which accumulates in fp32).
+        weight: from :func:`prepare_w4` / :func:`prepare_w8`.
+        bias: ``[N]`` or None.
+        out_dtype: the result's dtype (default ``x.dtype``); bf16 saves a cast where the next op takes it.
+    Returns:
+        ``[..., N]``.
+    """
+    # Called ~120 times a decode step: the Python around the kernel is kept to what the inputs need.
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if weight.input_perm is not None:
+        x2 = x2.index_select(1, weight.input_perm)
+    if x2.dtype != COMPUTE_DTYPE:
+        x2 = x2.to(COMPUTE_DTYPE)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight.packed, weight.group_size, weight.scale_offset)
+    n = weight.out_features
+    if weight.num_splits == 2:  # W8: the two nibble halves, added in fp32 (the high one is ~16x larger)
+        y = y[:, :n].to(torch.float32) + y[:, n:]
+    if bias is not None:
+        y = y + bias
+    out_dtype = out_dtype or x.dtype
+    if y.dtype != out_dtype:
+        y = y.to(out_dtype)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)

@@ -1,0 +1,124 @@
+"""The CPU engine with low-bit weights (dtype auto on a CPU for a 4-/8-bit checkpoint: bf16 activations, the
+weights kept 4-bit in torch's int4 GEMM layout) against its reference twin, the exact path and its settings."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightinfer import LLM, SamplingParams
+from lightinfer.config import EngineConfig
+from lightinfer.kernels import switches
+from lightinfer.kernels.cpu_lowbit import int4_gemm_available
+from lightinfer.layers.linear import W4A16Linear
+from lightinfer.layers.ops import use_backend
+
+pytestmark = pytest.mark.skipif(not int4_gemm_available(), reason="this torch has no CPU int4 GEMM")
+
+VOCAB = 512
+PROMPTS = [[random.Random(n).randrange(VOCAB) for _ in range(n)] for n in (5, 19, 40)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    import transformers
+
+    path = tmp_path_factory.mktemp("tiny_lowbit")
+    transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                             architectures=["LlamaForCausalLM"]).save_pretrained(path)
+    return str(path)
+
+
+def _llm(path: str, **options: object) -> LLM:
+    return LLM(path, load_format="dummy", quantization="awq", skip_tokenizer_init=True, show_progress=False,
+               kv_cache_memory_bytes=8 << 20, max_model_len=256, max_num_batched_tokens=32, **options)
+
+
+def _w4_layers(llm: LLM) -> list[W4A16Linear]:
+    return [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, W4A16Linear)]
+
+
+def test_auto_dtype_keeps_4bit_layers_low_bit(tiny: str) -> None:
+    llm = _llm(tiny)
+    assert llm.llm_engine.config.torch_dtype == torch.bfloat16
+    layers = _w4_layers(llm)
+    assert layers and all(m._lowbit is not None and m.qweight is None for m in layers)  # one copy, 4-bit
+    dense_bytes = sum(m.in_features * m.out_features * 2 for m in layers)
+    assert sum(m._lowbit.nbytes for m in layers) < 0.35 * dense_bytes
+
+
+def _check_greedy_close(runs_a: list, runs_b: list) -> int:
+    """Greedy tokens of two engines equal, up to a near-tie (vLLM's ``check_logprobs_close``): where they first
+    differ, each side's token must be among the other side's top logprobs; the continuations after such a
+    fork are not compared. Returns how many tokens were compared identical."""
+    same = 0
+    for a, b in zip(runs_a, runs_b):
+        for step, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+            if ta != tb:
+                assert ta in b.logprobs[step] and tb in a.logprobs[step], (step, a.logprobs[step], b.logprobs[step])
+                break
+            same += 1
+    return same
+
+
+def test_greedy_equals_the_reference_twin(tiny: str) -> None:
+    """Same bf16 engine, ops on the reference backend (each GEMM dequantizes the 4-bit run-time tensors in fp32;
+    naive attention): the same greedy tokens (a random tiny model has near-ties, where one bf16 rounding of a
+    GEMM output or of a bf16 group offset may pick the other token: see :func:`_check_greedy_close`), logits
+    within bf16 rounding."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    fast = _llm(tiny)
+    fast_out = [o.outputs[0] for o in fast.generate(PROMPTS, params, use_tqdm=False)]
+    fast_logits = fast.llm_engine.prompt_logits(PROMPTS[2])
+    with use_backend("reference"):
+        twin = _llm(tiny)
+        assert all(m._lowbit is None and m.qweight is not None for m in _w4_layers(twin))  # not prepared
+        twin_out = [o.outputs[0] for o in twin.generate(PROMPTS, params, use_tqdm=False)]
+        twin_logits = twin.llm_engine.prompt_logits(PROMPTS[2])
+    assert _check_greedy_close(fast_out, twin_out) >= 0.75 * sum(len(o.token_ids) for o in twin_out)
+    assert fast_logits.std() > 0.1  # not a degenerate comparison
+    torch.testing.assert_close(fast_logits, twin_logits, rtol=0.05, atol=0.05 * float(twin_logits.abs().max()))
+    # the prompt's own greedy choices (40 positions, no feedback of earlier choices): all but near-ties agree
+    agree = (fast_logits.argmax(-1) == twin_logits.argmax(-1)).float().mean()
+    assert agree >= 0.9, agree
+
+
+def test_the_exact_path_is_selectable(tiny: str) -> None:
+    with switches.override(cpu_lowbit=False):
+        llm = _llm(tiny)
+    assert llm.llm_engine.config.torch_dtype == torch.float32
+    assert all(m._lowbit is None and m._packed is not None for m in _w4_layers(llm))  # dequantized once, fp32
+    exact = _llm(tiny, dtype="float32")
+    assert all(m._lowbit is None for m in _w4_layers(exact))
+
+
+def test_dense_checkpoints_stay_fp32_on_cpu(tmp_path: Path) -> None:
+    from tests.conftest import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / "dense", "LlamaForCausalLM")
+    llm = LLM(str(path), num_kv_blocks=64, show_progress=False)
+    assert llm.llm_engine.config.torch_dtype == torch.float32
+
+
+def test_threads_setting(tiny: str) -> None:
+    with pytest.raises(ValueError, match="threads"):
+        EngineConfig(model=tiny, threads=0)
+    before = torch.get_num_threads()
+    try:
+        _llm(tiny, threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_loading_shows_its_phases(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
+    LLM(tiny, load_format="dummy", quantization="awq", skip_tokenizer_init=True, kv_cache_memory_bytes=8 << 20,
+        max_model_len=256)
+    err = capsys.readouterr().err
+    for phase in ("reading", "building the model", "loading the weights", "preparing the weights for the CPU",
+                  "allocating the KV cache"):
+        assert phase in err, err

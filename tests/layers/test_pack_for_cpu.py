@@ -1,0 +1,78 @@
+"""``pack_for_cpu`` of the quantized linears: low-bit with 16-bit activations (one copy of the codes), the exact
+dense path otherwise, a table an embedding reads kept readable; every form gives the layer's own product."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightinfer.kernels.cpu_lowbit import int4_gemm_available
+from lightinfer.layers.linear import W4A16Linear
+from lightinfer.layers.quant_embed import QuantizedLMHead, QuantizedVocabEmbedding
+from lightinfer.layers.w8_linear import HALVES_MAX_ROWS, W8A16Linear
+
+pytestmark = pytest.mark.skipif(not int4_gemm_available(), reason="this torch has no CPU int4 GEMM")
+
+
+def _w4(dtype: torch.dtype, gen: torch.Generator) -> W4A16Linear:
+    layer = W4A16Linear(128, 64, True, 32, dtype)
+    qweight = torch.randint(-2**31, 2**31 - 1, layer.qweight.shape, generator=gen, dtype=torch.int64).to(torch.int32)
+    layer.load_runtime(qweight, torch.rand(layer.scales.shape, generator=gen) * 0.01,
+                       torch.rand(layer.zeros.shape, generator=gen) * 15)
+    layer.bias.data = torch.randn(64, generator=gen).to(dtype)
+    return layer
+
+
+def _w8(dtype: torch.dtype, gen: torch.Generator, n: int = 256) -> W8A16Linear:
+    layer = W8A16Linear(64, n, False, 32, dtype)
+    layer.load_runtime(torch.randint(-128, 128, (n, 64), generator=gen).to(torch.int8),
+                       torch.rand(2, n, generator=gen) * 0.01, None)
+    return layer
+
+
+def _close(y: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(y.float(), want.float(), rtol=0.02, atol=0.02 * float(want.abs().max()))
+
+
+def test_w4_stays_4bit_with_bf16_activations_and_replaces_its_runtime_tensors() -> None:
+    gen = torch.Generator().manual_seed(0)
+    layer = _w4(torch.bfloat16, gen)
+    x = torch.randn(5, 128, generator=gen).bfloat16()
+    want = torch.nn.functional.linear(x.float(), layer.dense_weight().float(), layer.bias.float())
+    layer.pack_for_cpu()
+    assert layer._lowbit is not None and layer.qweight is None and layer._dense is None
+    _close(layer(x), want)
+    with pytest.raises(RuntimeError, match="pack_for_cpu"):
+        layer.dense_weight()
+
+
+def test_fp32_activations_take_the_exact_dense_path() -> None:
+    gen = torch.Generator().manual_seed(1)
+    layer = _w4(torch.float32, gen)
+    x = torch.randn(3, 128, generator=gen)
+    want = torch.nn.functional.linear(x, layer.dense_weight(), layer.bias)
+    layer.pack_for_cpu()
+    assert layer._lowbit is None and layer.qweight is not None  # the 4-bit tensors stay beside the dense copy
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_table_the_embedding_reads_keeps_its_rows_and_switches_product_by_rows() -> None:
+    gen = torch.Generator().manual_seed(2)
+    table = _w8(torch.bfloat16, gen)
+    embedding, head = QuantizedVocabEmbedding(table, torch.bfloat16), QuantizedLMHead(table)
+    ids = torch.tensor([0, 7, 255])
+    rows_before = embedding(ids)
+    weight = table.dense_weight()
+    head.pack_for_cpu(keep_weight=True)
+    assert table.qweight is None and table._lowbit is not None and table._dense is not None
+    assert torch.equal(embedding(ids), rows_before)  # rows read from the 16-bit copy: the same values
+    for rows in (1, HALVES_MAX_ROWS - 1, HALVES_MAX_ROWS, 20):  # two int4 halves, then the dense copy
+        x = torch.randn(rows, 64, generator=gen).bfloat16()
+        _close(head(x), x.float() @ weight.t())
+
+
+def test_w8_without_an_embedding_holds_one_copy() -> None:
+    gen = torch.Generator().manual_seed(3)
+    layer = _w8(torch.bfloat16, gen, n=64)
+    layer.pack_for_cpu()
+    assert layer.qweight is None and layer._dense is None and layer._lowbit is not None
