@@ -24,11 +24,11 @@ from __future__ import annotations
 from . import switches
 from .attention_plan import decode_workspace_bytes
 from .backends import OP_NAMES, get_backend
-from .moe import ExpertWeights
 from .cpu_lowbit import CpuQuantWeight
 from .cpu_lowbit import prepare_w4 as prepare_w4_cpu
 from .cpu_lowbit import prepare_w8 as prepare_w8_cpu
 from .cpu_lowbit import quant_linear as cpu_quant_linear
+from .moe import ExpertWeights
 from .paged_kv import KV_BLOCK_SIZES, KVCacheSpec, PagedKV
 from .reference import dequantize_w8
 from .split_k import SplitKPartials
@@ -47,8 +47,8 @@ __all__ = [
     "BACKEND_NAMES",
     "KV_BLOCK_SIZES",
     "OP_NAMES",
-    "ExpertWeights",
     "CpuQuantWeight",
+    "ExpertWeights",
     "KVCacheSpec",
     "PagedKV",
     "SplitKPartials",

@@ -33,8 +33,8 @@ from .cpu_fused import (
     silu_and_mul,
     store_kvcache,
 )
-from .paged_kv import PagedKV
 from .moe_cpu import fused_moe
+from .paged_kv import PagedKV
 from .reference import dequantize_kv_int8, gelu_tanh_and_mul, w4a16_gemm, w8a16_gemm, window_start
 from .sdpa import attend, varlen_causal_attention
 

@@ -24,8 +24,9 @@ def weights_note(info: dict[str, Any]) -> str:
                                                                            if why else ""))
     cpu_copy = info.get("cpu_dense_bytes") or 0
     if cpu_copy:
-        parts.append(f"on the CPU the quantized layers are also kept dequantized for the fp32 GEMM: "
-                     f"{cpu_copy / MIB:,.1f} MiB of it (a 16-bit dtype keeps them 4-/8-bit instead)")
+        what = ("the quantized layers kept dequantized for the fp32 GEMM" if dtype == "float32" else
+                "a quantized embedding table's rows kept in 16 bits for the lookup (the layers stay 4-/8-bit)")
+        parts.append(f"of it, {cpu_copy / MIB:,.1f} MiB are {what}")
     return "; ".join(parts)
 
 

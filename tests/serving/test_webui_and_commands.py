@@ -151,7 +151,7 @@ def test_model_panel_says_why_memory_differs_from_the_files() -> None:
                       "max_model_len": 2048, "device": "cpu", "dtype": "float32"})
     assert "171.4 MiB in memory ¹" in md and "checkpoint files are 108.7 MiB" in md
     assert "float32, where files usually hold 16 bits" in md and "scales and zeros in float32" in md
-    assert "kept dequantized for the fp32 GEMM: 500.0 MiB of it" in md
+    assert "of it, 500.0 MiB are the quantized layers kept dequantized for the fp32 GEMM" in md
 
 
 def test_reply_tracker_reports_only_stopped_replies() -> None:
