@@ -1,6 +1,6 @@
-"""The ``lightinfer`` command: generate, quantize, eval-ppl, serve and demo.
+"""The ``lightinfer`` command: generate, quantize, eval-ppl, fit, serve and demo.
 
-Each subcommand lives in its own module (``generate``, ``quantize``, ``serve``) with a
+Each subcommand lives in its own module (``generate``, ``quantize``, ``fit``, ``serve``) with a
 ``register(subparsers)`` that sets ``func(args) -> exit code``; :func:`main` turns bad input into
 one ``error:`` line and exit code 2.
 """
@@ -14,7 +14,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
-    from lightinfer.cli import generate, quantize, serve
+    from lightinfer.cli import fit, generate, quantize, serve
     from lightinfer.cli.common import HelpFormatter
 
     parser = argparse.ArgumentParser(
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate.register(sub)
     quantize.register(sub)  # quantize, eval-ppl
+    fit.register(sub)
     serve.register(sub)  # serve, demo
     return parser
 

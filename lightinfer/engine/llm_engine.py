@@ -30,6 +30,27 @@ logger = logging.getLogger("lightinfer")
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
+def resolve_max_model_len(hf_config: object, requested: int | None) -> int:
+    """The engine's ``max_model_len`` in tokens: ``requested``, or the model's context capped at
+    :data:`DEFAULT_MAX_MODEL_LEN`. The model's context is ``max_position_embeddings``, or the sliding window
+    where the config enables one (sliding-window attention is not implemented: the engine stays inside the
+    window, where full attention is exact).
+
+    Raises:
+        ValueError: ``requested`` exceeds the model's context (the message gives the limit).
+    """
+    model_max = int(getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
+    window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
+    if window:
+        model_max = min(model_max, int(window))
+    if requested is None:
+        return min(model_max, DEFAULT_MAX_MODEL_LEN)
+    if requested > model_max:
+        raise ValueError(f"max_model_len={requested} exceeds what this model supports ({model_max}: "
+                         f"max_position_embeddings, or the sliding window); use at most {model_max}")
+    return int(requested)
+
+
 @dataclass
 class EngineStats:
     """Counters for monitoring (totals since start unless said otherwise)."""
@@ -113,15 +134,7 @@ class LLMEngine:
         no_tokenizer = config.skip_tokenizer_init or (dummy and not self.checkpoint.has_tokenizer)
         self.tokenizer = None if no_tokenizer else self.checkpoint.load_tokenizer()
         self.eos_token_ids = self.checkpoint.eos_token_ids(self.tokenizer)
-        model_max = int(getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
-        window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
-        if window:  # sliding-window attention is not implemented: stay inside the window, where it is exact
-            model_max = min(model_max, int(window))
-        if config.max_model_len is None:
-            config.max_model_len = min(model_max, DEFAULT_MAX_MODEL_LEN)
-        elif config.max_model_len > model_max:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds what this model supports ({model_max}: "
-                             f"max_position_embeddings, or the sliding window); use at most {model_max}")
+        config.max_model_len = resolve_max_model_len(hf_config, config.max_model_len)
         self.vocab_size = int(hf_config.vocab_size)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, int(config.max_model_len))
         self.model_runner = ModelRunner(config, self.checkpoint)
