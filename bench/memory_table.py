@@ -85,30 +85,21 @@ def kv_bytes_per_token(hf_config: object, kv_cache_dtype: str, block_size: int =
 
 
 def activation_bytes(hf_config: object, quantization: str | None, num_tokens: int = 2048) -> int:
-    """Estimated peak of the profiling forward over ``num_tokens`` tokens (fp16).
+    """Estimated peak of the profiling forward over ``num_tokens`` tokens (fp16): the engine's own estimate
+    (``lightinfer.engine.memory.estimate_activation_bytes``, also what ``lightinfer fit`` uses; its docstring
+    says what it counts)."""
+    from lightinfer.engine.memory import estimate_activation_bytes
 
-    The peak is inside the MLP: residual, input and output ``[T, hidden]`` plus a spare one,
-    the fused gate/up output ``[T, 2 x intermediate]`` and its activation ``[T, intermediate]``;
-    with 4-bit weights, large batches (M > 64 rows) dequantize the layer's weight for cuBLAS one
-    slab of rows at a time (``kernels/w4a16_gemm.py``: one slab buffer plus that slab's output);
-    plus the logits of a full step's sampled rows (``max_num_seqs``: fp16 out of the head, fp32
-    copy, fp32 softmax), as the engine's profiling forward computes them.
-    """
-    from lightinfer.kernels.w4a16_gemm import dequant_slab_rows
-
-    h, i, v = hf_config.hidden_size, hf_config.intermediate_size, hf_config.vocab_size
-    act = num_tokens * (4 * h + 3 * i) * 2
-    dequant = 0
-    if quantization == "awq":  # the largest slab: fused gate/up ([2i, h]) or down ([h, i])
-        dequant = max(rows * k * 2 + num_tokens * rows * 2
-                      for n, k in ((2 * i, h), (h, i)) for rows in [dequant_slab_rows(n, k, 2)])
-    return act + dequant + MAX_NUM_SEQS * v * (2 + 4 + 4)
+    return estimate_activation_bytes(hf_config.hidden_size, hf_config.intermediate_size, hf_config.vocab_size,
+                                     num_tokens, MAX_NUM_SEQS, quantization == "awq")
 
 
 def graph_reserve_bytes(hf_config: object, max_num_seqs: int = MAX_NUM_SEQS) -> int:
-    """CUDA graphs' pool: a decode forward's activations at ``max_num_seqs`` rows + 10% + 64 MiB."""
-    h, i = hf_config.hidden_size, hf_config.intermediate_size
-    return int(1.1 * max_num_seqs * (4 * h + 3 * i) * 2) + 64 * 2**20
+    """CUDA graphs' pool: the engine's reserve (``engine.memory.graph_reserve_bytes``: + 10% + 64 MiB) of a
+    decode forward's estimated activations at ``max_num_seqs`` rows."""
+    from lightinfer.engine.memory import graph_reserve_bytes as reserve
+
+    return reserve(activation_bytes(hf_config, None, max_num_seqs))
 
 
 def computed_row(model: str, variant: str, budget_gib: int, non_torch_gib: float) -> dict:
@@ -204,7 +195,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
     ap.add_argument("--measure", action="store_true", help="start the engine on the GPU for every cell")
-    ap.add_argument("--non-torch-gib", type=float, default=0.5, help="computed mode: CUDA context etc.")
+    from lightinfer.engine.memory import NON_TORCH_ESTIMATE
+
+    ap.add_argument("--non-torch-gib", type=float, default=NON_TORCH_ESTIMATE / GIB,
+                    help="computed mode: CUDA context etc. (engine.memory.NON_TORCH_ESTIMATE, as in lightinfer fit)")
     ap.add_argument("--out-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
     if args.measure and not torch.cuda.is_available():

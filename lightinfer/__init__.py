@@ -1,7 +1,7 @@
 """lightinfer: quantization-first LLM inference (AWQ W4A16 weights, INT8 paged KV cache).
 
 Public names: :class:`LLM`, :class:`SamplingParams`, :class:`StructuredOutputs`, :func:`pipeline`,
-:func:`quantize`.
+:func:`quantize`, :func:`fit`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from lightinfer.outputs import CompletionOutput, RequestOutput
 from lightinfer.sampling_params import SamplingParams
 from lightinfer.structured import StructuredOutputs
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputs", "pipeline", "quantize"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputs", "fit", "pipeline",
+           "quantize"]
 __version__ = "0.1.0"
 
 
@@ -36,3 +37,14 @@ def quantize(src: str, out: str, config: object = None, **kwargs: object) -> obj
     from lightinfer.quant.api import quantize as _quantize
 
     return _quantize(src, out, config, **kwargs)
+
+
+def fit(model: str, vram: object = ("8GiB", "12GiB", "24GiB"), **kwargs: object) -> object:
+    """Will ``model`` fit GPUs of these sizes? From its config and tensor headers only (nothing is loaded).
+
+    See :func:`lightinfer.engine.fit.fit` (keyword options ``max_model_len``, ``kv_cache_dtype``,
+    ``gpu_memory_utilization``...). Returns its ``FitReport`` (``.rows``, ``.table()``, ``.to_dict()``).
+    """
+    from lightinfer.engine.fit import fit as _fit
+
+    return _fit(model, vram, **kwargs)

@@ -45,7 +45,7 @@ def test_every_subcommand_and_flag_is_described_with_its_default() -> None:
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     summaries = {a.dest: a.help for a in sub._choices_actions}
-    assert set(summaries) == {"generate", "chat", "quantize", "eval-ppl", "serve", "demo"}
+    assert set(summaries) == {"generate", "chat", "quantize", "eval-ppl", "fit", "serve", "demo"}
     for name, command in sub.choices.items():
         assert summaries[name] and "\n" not in summaries[name], name
         assert command.description, name

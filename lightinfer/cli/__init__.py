@@ -1,6 +1,6 @@
-"""The ``lightinfer`` command: generate, chat, quantize, eval-ppl, serve and demo.
+"""The ``lightinfer`` command: generate, chat, quantize, eval-ppl, fit, serve and demo.
 
-Each subcommand lives in its own module (``generate``, ``chat``, ``quantize``, ``serve``) with a
+Each subcommand lives in its own module (``generate``, ``chat``, ``quantize``, ``fit``, ``serve``) with a
 ``register(subparsers)`` that sets ``func(args) -> exit code``; :func:`main` turns bad input into
 one ``error:`` line and exit code 2.
 """
@@ -14,7 +14,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
-    from lightinfer.cli import chat, generate, quantize, serve
+    from lightinfer.cli import chat, fit, generate, quantize, serve
     from lightinfer.cli.common import HelpFormatter
 
     parser = argparse.ArgumentParser(
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.register(sub)
     chat.register(sub)
     quantize.register(sub)  # quantize, eval-ppl
+    fit.register(sub)
     serve.register(sub)  # serve, demo
     return parser
 

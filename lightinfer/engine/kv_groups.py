@@ -53,12 +53,19 @@ def kv_groups_of(layers: list[Attention], max_model_len: int, block_size: int, d
         raise ValueError(f"attention layers with different KV shapes {sorted(shapes)} (kv heads, head_dim) are not "
                          f"supported")
     num_kv_heads, head_dim = shapes.pop()
-    windows = [a.sliding_window if a.sliding_window and a.sliding_window < max_model_len else None for a in layers]
-    order = sorted(set(windows), key=lambda w: (w is not None, w or 0))
-    groups = []
-    for g, window in enumerate(order):
-        members = tuple(i for i, w in enumerate(windows) if w == window)
-        for i in members:
+    groups = kv_groups_for_windows([a.sliding_window for a in layers], num_kv_heads, head_dim, max_model_len,
+                                   block_size, dtype)
+    for g, group in enumerate(groups):
+        for i in group.layers:
             layers[i].kv_group = g
-        groups.append(KVGroup(window, members, KVCacheSpec(len(members), num_kv_heads, head_dim, block_size, dtype)))
     return groups
+
+
+def kv_groups_for_windows(windows: list[int | None], num_kv_heads: int, head_dim: int, max_model_len: int,
+                          block_size: int, dtype: object) -> list[KVGroup]:
+    """The KV-cache groups of a model whose attention layers have these sliding ``windows`` (None: full
+    attention), in order, without building anything (what ``fit`` plans with)."""
+    windows = [w if w and w < max_model_len else None for w in windows]
+    order = sorted(set(windows), key=lambda w: (w is not None, w or 0))
+    return [KVGroup(window, members, KVCacheSpec(len(members), num_kv_heads, head_dim, block_size, dtype))
+            for window in order for members in (tuple(i for i, w in enumerate(windows) if w == window),)]

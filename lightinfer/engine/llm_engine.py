@@ -34,6 +34,25 @@ logger = logging.getLogger("lightinfer")
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
+def resolve_max_model_len(hf_config: object, requested: int | None) -> int:
+    """The engine's ``max_model_len`` in tokens: ``requested``, or the model's context capped at
+    :data:`DEFAULT_MAX_MODEL_LEN`. The model's context is the config's own limit: ``max_position_embeddings``,
+    extended by its RoPE scaling where that is how the config says it (linear / dynamic / yarn;
+    ``layers/rope_scaling.py``). Sliding-window layers do not limit it (they keep their window of it).
+
+    Raises:
+        ValueError: ``requested`` exceeds the model's context (the message gives the limit), or an unknown
+            RoPE type.
+    """
+    model_max = rope_max_positions(hf_config)
+    if requested is None:
+        return min(model_max, DEFAULT_MAX_MODEL_LEN)
+    if requested > model_max:
+        raise ValueError(f"max_model_len={requested} exceeds what this model supports ({model_max}: "
+                         f"max_position_embeddings, with its RoPE scaling); use at most {model_max}")
+    return int(requested)
+
+
 @dataclass
 class EngineStats:
     """Counters for monitoring (totals since start unless said otherwise)."""
@@ -129,14 +148,7 @@ class LLMEngine:
         else:
             self.tokenizer = None
         self.eos_token_ids = self.checkpoint.eos_token_ids(self.tokenizer)
-        # The config's own limit: max_position_embeddings, extended by its RoPE scaling where that is how the
-        # config says it (linear / dynamic / yarn; layers/rope_scaling.py). An unknown RoPE type fails here.
-        model_max = rope_max_positions(hf_config)
-        if config.max_model_len is None:
-            config.max_model_len = min(model_max, DEFAULT_MAX_MODEL_LEN)
-        elif config.max_model_len > model_max:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds what this model supports ({model_max}: "
-                             f"max_position_embeddings, with its RoPE scaling); use at most {model_max}")
+        config.max_model_len = resolve_max_model_len(hf_config, config.max_model_len)
         self.vocab_size = int(hf_config.vocab_size)
         # constrained decoding: the grammar backend is built at the first constrained request
         self.structured = StructuredOutputManager(self.tokenizer, self.eos_token_ids,

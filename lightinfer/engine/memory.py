@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 GIB = 2**30
@@ -32,6 +33,60 @@ def graph_reserve_bytes(activation_peak: int) -> int:
     """Bytes to set aside for the CUDA graphs' memory pool, from the activation peak (bytes)
     of an eager forward of the largest captured batch size (``GRAPH_RESERVE_*`` say why)."""
     return int(max(activation_peak, 0) * GRAPH_RESERVE_FACTOR) + GRAPH_RESERVE_EXTRA
+
+
+# GPU memory outside torch's allocator (CUDA context, cuBLAS and Triton workspaces and modules). The engine
+# measures it at start-up (plan_kv_pool's non_torch_bytes); plans made before there is a GPU to measure
+# (`lightinfer fit`, bench/memory_table.py) assume this figure, typical of a desktop card with no display on it.
+NON_TORCH_ESTIMATE = 512 * MIB
+
+
+def embedding_stays_on_host(on_cuda: bool, tied: bool, setting: bool | None) -> bool:
+    """Whether the engine keeps the input embedding in host memory (``EngineConfig.embedding_on_host``):
+    only on CUDA, never when the table is tied to the LM head (the GPU reads it every step), and unless
+    ``setting`` is False (None = yes)."""
+    return on_cuda and not tied and setting is not False
+
+
+def estimate_activation_bytes(hidden: int, mlp_width: int, vocab: int, num_tokens: int, max_num_seqs: int,
+                              w4: bool, dtype_bytes: int = 2, expert_rows: int = 0) -> int:
+    """Estimated peak bytes of the engine's profiling forward (``ModelRunner.profile_run``) over
+    ``num_tokens`` tokens, from the shapes alone: what the engine measures at start-up, for plans made
+    without a GPU.
+
+    The peak is inside the MLP: residual, input and output ``[T, hidden]`` plus a spare one, the fused
+    gate/up output ``[T, 2 x mlp_width]`` and its activation ``[T, mlp_width]``; a MoE layer's routed rows
+    (``expert_rows`` per token, i.e. top-k: ``mlp_width`` is then top-k x the expert width) also hold their
+    ``[T x top_k, hidden]`` outputs before the weighted sum. With 4-bit weights (``w4``), batches above 64
+    rows dequantize each weight for cuBLAS one slab of rows at a time (``kernels/w4a16_gemm.py``: one slab
+    plus that slab's output). Then the logits of one step's sampled rows (``max_num_seqs``: 16-bit out of
+    the head, an fp32 copy, an fp32 softmax).
+
+    Args:
+        hidden, mlp_width, vocab: model widths (elements); num_tokens: tokens of the forward.
+        dtype_bytes: bytes per activation element (2 on a GPU).
+    Returns:
+        bytes (int).
+    """
+    from lightinfer.kernels.w4a16_gemm import dequant_slab_rows
+
+    h, i, t = int(hidden), int(mlp_width), int(num_tokens)
+    act = t * (4 * h + 3 * i + int(expert_rows) * h) * dtype_bytes
+    dequant = 0
+    if w4 and t > 64 and not expert_rows:  # the largest slab: fused gate/up ([2i, h]) or down ([h, i])
+        dequant = max(rows * k * dtype_bytes + t * rows * dtype_bytes
+                      for n, k in ((2 * i, h), (h, i)) for rows in [dequant_slab_rows(n, k, dtype_bytes)])
+    return act + dequant + min(t, max_num_seqs) * int(vocab) * (dtype_bytes + 4 + 4)
+
+
+def decode_split_reserve_bytes(batch_sizes: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
+                               max_ctx: int, device: torch.device) -> int:
+    """The split decode kernel's fp32 partials at the captured batch sizes (the largest of them: the graphs
+    share one pool), part of the CUDA graphs' reserve. Graphs pass block tables as wide as ``max_model_len``
+    (``max_ctx`` tokens, whole blocks), so these buffers grow with it; an eager profiling forward has none."""
+    from lightinfer.kernels import decode_workspace_bytes
+
+    return max(decode_workspace_bytes(bs, num_heads, num_kv_heads, head_dim, max_ctx, device) for bs in batch_sizes)
 
 
 def _gib(n: int) -> str:

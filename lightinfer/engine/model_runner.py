@@ -17,7 +17,9 @@ from lightinfer.engine.memory import (
     available_host_bytes,
     check_host_memory,
     check_weights_fit,
+    decode_split_reserve_bytes,
     describe_kv_groups,
+    embedding_stays_on_host,
     graph_reserve_bytes,
     plan_kv_pool,
     split_kv_pool,
@@ -25,7 +27,7 @@ from lightinfer.engine.memory import (
 from lightinfer.engine.moe_placement import host_expert_layers, moe_startup_report, prepare_host_experts
 from lightinfer.engine.scheduler import SchedulerOutput
 from lightinfer.engine.step_inputs import StepInputs, block_table_tensor, build_step_inputs, select_rows
-from lightinfer.kernels import KVCacheSpec, decode_workspace_bytes
+from lightinfer.kernels import KVCacheSpec
 from lightinfer.layers.attention import Attention, AttentionMetadata, KVGroupTables, set_context
 from lightinfer.layers.embed_head import VocabEmbedding
 from lightinfer.layers.fusion import fuse_model
@@ -269,9 +271,8 @@ class ModelRunner:
 
     def _embedding_on_host(self) -> bool:
         """Whether the input embedding stays in host memory (CUDA only; see EngineConfig)."""
-        if self.device.type != "cuda" or self.model.tie_word_embeddings:
-            return False  # a tied table is the LM head's weight, which the GPU reads every step
-        return self.config.embedding_on_host is not False
+        return embedding_stays_on_host(self.device.type == "cuda", self.model.tie_word_embeddings,
+                                       self.config.embedding_on_host)
 
     def _decode_split_bytes(self) -> int:
         """The split decode kernel's fp32 partials at the captured batch sizes (the largest of
@@ -279,8 +280,8 @@ class ModelRunner:
         these buffers grow with it; an eager profiling forward has none of them."""
         spec, heads = self.kv_spec, self.attention_layers[0].num_heads
         max_ctx = spec.blocks_for(int(self.config.max_model_len)) * spec.block_size
-        return max(decode_workspace_bytes(bs, heads, spec.num_kv_heads, spec.head_dim, max_ctx, self.device)
-                   for bs in graph_batch_sizes(self._max_decode_batch()))
+        return decode_split_reserve_bytes(graph_batch_sizes(self._max_decode_batch()), heads, spec.num_kv_heads,
+                                          spec.head_dim, max_ctx, self.device)
 
     # ------------------------------------------------------------------ CUDA graphs
     def _uses_cuda_graphs(self) -> bool:
