@@ -109,8 +109,8 @@ def register(subparsers: Any) -> None:
     e.add_argument("--max-tokens", type=_int_arg, default=None,
                    help="score at most N tokens of the text (default: all of it)")
     e.add_argument("--window", type=_int_arg, default=None,
-                   help="tokens per window (default: 2048, the windows the README's table reports, or the model's "
-                        "context if shorter)")
+                   help="tokens per window (default: 2048, the windows of the quality tables in docs/performance.md, "
+                        "or the model's context if shorter)")
     e.add_argument("--device", default=None, help="auto, cpu or cuda (default: auto)")
     e.add_argument("--dtype", default=None, help="auto, float32, float16 or bfloat16 (default: auto)")
     e.add_argument("--quiet", action="store_true", help="no progress bar")
