@@ -21,6 +21,11 @@ QUANTIZATIONS = ("awq",)
 CPU_DEFAULT_KV_CACHE_BYTES = 512 * 2**20  # a CPU has no memory profiler of ours: a fixed default
 
 
+# A CPU engine computes one request's prompt in chunks of at most this many tokens (about 3-6 s of a 135M 4-bit
+# model on two cores): a long prompt then delays the others by one chunk, not by its whole prefill.
+CPU_LONG_PREFILL_TOKENS = 512
+
+
 def parse_bytes(value: int | str | None) -> int | None:
     """``"8GiB"``, ``"512MB"``, ``"1.5G"`` or an int -> bytes (binary units for G/M/K). None stays None."""
     if value is None or isinstance(value, int):
@@ -105,6 +110,11 @@ class EngineConfig:
         block_size: tokens per KV block.
         max_num_seqs: most sequences in one step.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        long_prefill_token_threshold: most prompt tokens one request computes in a step (vLLM's name), so that a
+            long prompt is cut into chunks and the requests behind it join the batch in between instead of
+            waiting for its whole prefill; 0 = no cap (a chunk takes the rest of the budget); None = auto:
+            :data:`CPU_LONG_PREFILL_TOKENS` on a CPU (where a 2,048-token step takes tens of seconds), no cap
+            on a GPU.
         kv_cache_dtype: "auto" (the model dtype) or "int8" (per-token asymmetric, see DESIGN.md).
         kv_cache_memory_bytes: KV pool size in bytes (overrides the two below).
         num_kv_blocks: KV pool size in blocks, per KV-cache group (a model with sliding-window layers
@@ -139,6 +149,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int | None = None
     kv_cache_dtype: str = "auto"
     kv_cache_memory_bytes: int | str | None = None
     num_kv_blocks: int | None = None
@@ -181,6 +192,11 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if self.long_prefill_token_threshold is not None and (
+                isinstance(self.long_prefill_token_threshold, bool) or not isinstance(self.long_prefill_token_threshold, int)
+                or self.long_prefill_token_threshold < 0):
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0: no cap) or None (auto), got "
+                             f"{self.long_prefill_token_threshold!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads must be a positive number of CPU threads or None (all usable cores), "
                              f"got {self.threads!r}")
@@ -190,3 +206,5 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         self.torch_device = resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)
+        if self.long_prefill_token_threshold is None:
+            self.long_prefill_token_threshold = CPU_LONG_PREFILL_TOKENS if self.torch_device.type == "cpu" else 0

@@ -104,12 +104,12 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
             notes.append(note(notice))
         request_id = engine.new_request_id("ui")
         progress = replies.start(getattr(request, "session_hash", None))
-        text, finished = "", False
+        text, finished, reason = "", False, None
         try:
             async for out in engine.generate(request_, request_id=request_id):
                 comp = out.outputs[0]
                 progress.update(len(comp.token_ids))
-                finished = out.finished
+                finished, reason = out.finished, comp.finish_reason
                 if comp.text != text:
                     text = comp.text
                     yield notes + [gr.ChatMessage(role="assistant", content=text)] if notes else text
@@ -125,7 +125,8 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
             engine.abort(request_id)
         if json_schema and json_schema.strip():
             text = format_json_reply(text)
-        yield notes + [gr.ChatMessage(role="assistant", content=text), note(progress.stats())]
+        cut = " · cut at the Max new tokens limit (Sampling panel)" if reason == "length" else ""
+        yield notes + [gr.ChatMessage(role="assistant", content=text), note(progress.stats() + cut)]
 
     async def mark_stopped(history: list[Any], request: gr.Request = None) -> Any:
         """Stop's handler: the stopped reply keeps its text and gets its numbers and a "stopped" mark."""

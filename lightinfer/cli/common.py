@@ -23,8 +23,9 @@ def add_parser(subparsers: Any, name: str, summary: str, description: str | None
                                  formatter_class=HelpFormatter)
 
 
-def add_engine_args(p: argparse.ArgumentParser, kv_cache_dtype: str = "auto") -> None:
-    """The :class:`lightinfer.config.EngineConfig` flags every command that starts an engine takes."""
+def add_engine_args(p: argparse.ArgumentParser, kv_cache_dtype: str | None = "auto") -> None:
+    """The :class:`lightinfer.config.EngineConfig` flags every command that starts an engine takes
+    (``kv_cache_dtype=None``: the command resolves it, int8 on a GPU and auto on a CPU)."""
     p.add_argument("--dtype", default="auto",
                    help="activations: auto, float32, float16 or bfloat16 (auto: on a CPU bfloat16 for a 4-/8-bit "
                         "model, whose weights then stay low-bit, float32 for a dense one; bfloat16 or float16 on "
@@ -33,7 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser, kv_cache_dtype: str = "auto") ->
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's, at most 8192)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default=kv_cache_dtype,
-                   help="KV cache storage: auto (the model's dtype) or int8 (per-token scales; a fraction of the memory)")
+                   help="KV cache storage: auto (the model's dtype) or int8 (per-token scales; a fraction of the memory)"
+                        + ("" if kv_cache_dtype else " (default: int8 on a GPU, auto on a CPU)"))
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one engine step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -49,6 +51,9 @@ def add_engine_args(p: argparse.ArgumentParser, kv_cache_dtype: str = "auto") ->
                    help="MoE models: keep the experts of the first N MoE layers in host memory and compute them on "
                         "the CPU, so a model larger than the GPU fits (the start-up log says which N a 12 GB card "
                         "needs; 0: all experts on the device)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="N",
+                   help="most prompt tokens one request computes per step, so requests behind a long prompt are not "
+                        "held for its whole prefill; 0: no cap (default: 512 on a CPU, no cap on a GPU)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the engine's computation (default: the cores this process may use)")
 
@@ -65,6 +70,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enforce_eager": args.enforce_eager,
         "cpu_experts": getattr(args, "cpu_experts", 0),
         "threads": getattr(args, "threads", None),
+        "long_prefill_token_threshold": getattr(args, "long_prefill_token_threshold", None),
         "load_format": "dummy" if getattr(args, "dummy_weights", False) else "auto",
         "quantization": getattr(args, "quantization", None),
     }

@@ -16,7 +16,8 @@ from lightinfer.cli.common import add_parser
 
 
 def _fail(cmd: str, e: BaseException) -> int:
-    print(f"lightinfer {cmd}: error: {e}", file=sys.stderr)
+    """One ``error:`` line, as every command prints it (``cmd`` is kept for the callers' readability)."""
+    print(f"error: {e}", file=sys.stderr)
     return 2
 
 

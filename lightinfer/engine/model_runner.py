@@ -237,14 +237,15 @@ class ModelRunner:
         fp16_tokens = budget // KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size,
                                              torch.float16).bytes_per_token
         dtype = str(spec.dtype).replace("torch.", "")
+        # What INT8 buys, said only for an INT8 cache (a 16-bit one would compare with itself).
+        saving = f"; the same memory holds {fp16_tokens} tokens in fp16" if spec.is_int8 else ""
         if report:  # CUDA (one block, the KV pool line is the plan's last), or several KV-cache groups
-            logger.info("%s\n  KV cache dtype %s (the same memory holds %d tokens in fp16)", report, dtype, fp16_tokens)
+            logger.info("%s\n  KV cache dtype %s%s", report, dtype, saving)
         else:
             logger.info(
-                "KV cache: %d blocks x %d tokens = %d tokens (%s, %.1f MiB; the same memory holds %d tokens in "
-                "fp16), %.1f sequences of max_model_len=%d",
+                "KV cache: %d blocks x %d tokens = %d tokens (%s, %.1f MiB%s), %.1f sequences of max_model_len=%d",
                 num_blocks, spec.block_size, num_blocks * spec.block_size, dtype,
-                num_blocks * spec.bytes_per_block / 2**20, fp16_tokens, num_blocks * spec.block_size / cfg.max_model_len,
+                num_blocks * spec.bytes_per_block / 2**20, saving, num_blocks * spec.block_size / cfg.max_model_len,
                 cfg.max_model_len,
             )
         return counts

@@ -5,7 +5,9 @@ prefill, chunked prefill and decode are one mechanism: a decode is a sequence wi
 uncomputed token, a prefill one with many, cut to the step's token budget.
 
     step budget = max_num_batched_tokens
-    1. running sequences, oldest first: decodes (1 token) and unfinished prefills (a chunk);
+    1. running sequences, oldest first: decodes (1 token) and unfinished prefills (a chunk, at most
+       ``long_prefill_token_threshold`` tokens of one request: on a CPU a long prompt would otherwise hold
+       every request behind it for its whole prefill);
        when a sequence needs a block and none is free, the newest running sequence is
        preempted (blocks freed, recomputed later from its tokens).
     2. waiting sequences, oldest first, while budget, blocks and max_num_seqs allow
@@ -65,6 +67,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, eos_token_ids: set[int]) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.long_prefill_token_threshold = int(config.long_prefill_token_threshold or 0)
         self.max_model_len = int(config.max_model_len or 0)
         self.block_manager = block_manager
         self.eos_token_ids = eos_token_ids
@@ -96,7 +99,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = self._chunk(seq, budget)
             while not bm.allocate_slots(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -116,11 +119,18 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = self._chunk(seq, budget)
             out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # decodes first, stable
         return out
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens ``seq`` computes this step: what it has left, within the budget, and a prompt chunk within
+        ``long_prefill_token_threshold`` (so the requests behind a long prompt join the next steps)."""
+        left = seq.num_tokens - seq.num_computed_tokens
+        cap = self.long_prefill_token_threshold
+        return min(left, budget, cap) if cap > 0 and left > 1 else min(left, budget)
 
     def fork(self, parent: Sequence, index: int) -> Sequence:
         """A new completion sharing ``parent``'s blocks (before its last token is appended).

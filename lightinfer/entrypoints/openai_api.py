@@ -134,7 +134,10 @@ def create_openai_app(engine: AsyncLLMEngine, served_model_name: str, api_key: s
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(OpenAIError(exc.status_code, str(exc.detail), kind))
+        detail = str(exc.detail)
+        if exc.status_code == 400 and detail == "There was an error parsing the body":  # FastAPI's, e.g. not UTF-8
+            detail = "the request body could not be read as JSON (is it UTF-8 encoded?); send a UTF-8 JSON object"
+        return error_response(OpenAIError(exc.status_code, detail, kind))
 
     _register_routes(app, serving)
     return app

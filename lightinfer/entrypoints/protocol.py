@@ -96,7 +96,7 @@ class _SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # a signed 64-bit integer, as OpenAI takes
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -159,6 +159,18 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     # after tool_calls, so that its check sees them
     content: str | list[TextContentPart] | None = Field(None, validate_default=True)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        # Before the union's own checks, whose message for an image part lists every branch that failed.
+        if isinstance(value, list):
+            for i, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text":
+                    raise ValueError(f"content part {i} is of type {kind!r}; lightinfer serves text models, so "
+                                     f"only parts of type 'text' are accepted")
+        return value
 
     @field_validator("content")
     @classmethod

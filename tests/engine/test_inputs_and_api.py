@@ -146,6 +146,32 @@ def test_chunked_prefill_and_decode_share_a_step(tiny) -> None:
     assert chunked.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
+def test_a_long_prompt_does_not_hold_the_requests_behind_it(tiny) -> None:
+    """A prompt longer than long_prefill_token_threshold is computed in chunks of at most that many tokens, so
+    a request that arrives during its prefill joins the very next step (it waited for the whole prefill)."""
+    from lightinfer.config import CPU_LONG_PREFILL_TOKENS, EngineConfig
+
+    assert EngineConfig(str(tiny), device="cpu").long_prefill_token_threshold == CPU_LONG_PREFILL_TOKENS
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be an integer >= 0"):
+        EngineConfig(str(tiny), device="cpu", long_prefill_token_threshold=-1)
+    llm = LLM(str(tiny), num_kv_blocks=64, max_num_batched_tokens=256, long_prefill_token_threshold=48)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("long", list(range(3, 203)), params)  # 200 prompt tokens
+    engine.step()
+    engine.add_request("short", [5, 6, 7], params)
+    out = engine.scheduler.schedule()
+    chunks = {s.seq.request_id: s.num_new_tokens for s in out.scheduled}
+    assert chunks == {"long": 48, "short": 3}  # the short prompt joins at once, beside the long one's next chunk
+    while engine.has_unfinished_requests():
+        engine.step()
+    capped = LLM(str(tiny), num_kv_blocks=64, long_prefill_token_threshold=48).generate(
+        [list(range(3, 203))], params, use_tqdm=False)[0]
+    whole = LLM(str(tiny), num_kv_blocks=64, long_prefill_token_threshold=0).generate(
+        [list(range(3, 203))], params, use_tqdm=False)[0]
+    assert capped.outputs[0].token_ids == whole.outputs[0].token_ids
+
+
 def test_pipeline_api(tiny) -> None:
     pipe = pipeline(str(tiny), num_kv_blocks=64)
     r = pipe("hello", max_tokens=4, temperature=0, ignore_eos=True)

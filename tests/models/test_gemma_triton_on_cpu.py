@@ -40,7 +40,9 @@ def test_gemma2_triton_path_matches_torch_cpu_path(tmp_path, monkeypatch: pytest
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     runs, logits = [], []
     for on_triton in (False, True):
-        llm = LLM(str(tmp_path), load_format="dummy", quantization="awq", kv_cache_dtype="int8", skip_tokenizer_init=True,
+        # fp32 on both paths (on a CPU, auto would be bf16 with the weights prepared for torch's int4 GEMM)
+        llm = LLM(str(tmp_path), load_format="dummy", quantization="awq", dtype="float32", kv_cache_dtype="int8",
+                  skip_tokenizer_init=True,
                   num_kv_blocks=24, max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4)
         assert llm.llm_engine.model_runner.kv_windows == [None, 24]
         with triton_on_cpu() if on_triton else torch.no_grad():

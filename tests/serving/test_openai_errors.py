@@ -28,6 +28,10 @@ def test_happy_path_on_fake(client: openai.OpenAI) -> None:
     parts = [p.choices[0].text for p in client.completions.create(model=MODEL, prompt="x", max_tokens=6, temperature=0,
                                                        stream=True)]
     assert "".join(parts) == "The ca"
+    # any signed 64-bit seed, as OpenAI takes it; beyond that a 400 naming the field
+    assert client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, seed=-5).choices
+    with pytest.raises(openai.BadRequestError, match="seed"):
+        client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, seed=2**63)
 
 
 @pytest.mark.parametrize("key", [None, "wrong-key"])
@@ -264,3 +268,19 @@ def test_400_json_without_content_type(fake_server: LiveServer) -> None:
     r = httpx.post(f"{fake_server.url}/v1/chat/completions", headers={"Authorization": "Bearer test-key"},
                    content=('{"model": "' + MODEL + '", "messages": [{"role": "user", "content": "hi"}]}').encode())
     assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
+
+
+def test_an_image_part_is_one_clear_400(client: openai.OpenAI) -> None:
+    """It got pydantic's union message (every branch that failed, 'Input should be a valid string; ...')."""
+    msg = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=msg)
+    text = e.value.body["message"]
+    assert "content part 0 is of type 'image_url'" in text and "valid string" not in text
+
+
+def test_a_body_that_is_not_utf8_says_so(fake_server: LiveServer) -> None:
+    body = b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", "content": "caf\xe9"}]}'
+    r = httpx.post(f"{fake_server.url}/v1/chat/completions", content=body,
+                   headers={"Content-Type": "application/json", "Authorization": "Bearer test-key"})
+    assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"]

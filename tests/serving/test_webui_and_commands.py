@@ -43,7 +43,8 @@ def test_serve_defaults_are_safe() -> None:
     a = _parse(["serve", "some/model"])
     assert (a.host, a.port, a.kv_cache_dtype, a.func) == ("127.0.0.1", 7860, "auto", commands.run_serve)
     d = _parse(["demo"])
-    assert d.kv_cache_dtype == "int8" and d.host == "127.0.0.1" and d.func is commands.run_demo
+    # resolved by run_demo: int8 on a GPU; on a CPU the model's dtype (SmolLM2 answers its README question then)
+    assert d.kv_cache_dtype is None and d.host == "127.0.0.1" and d.func is commands.run_demo
     with pytest.raises(ValueError, match="USER:PASS"):  # main() prints it as a one-line "error: ..."
         commands._parse_ui_auth("nopassword")
     e = _parse(["serve", "m", "--max-vram", "8GiB", "--enforce-eager", "--gpu-memory-utilization", "0.5",
@@ -176,12 +177,16 @@ def test_reply_tracker_reports_only_stopped_replies() -> None:
 
 
 def test_demo_serves_the_gguf_unless_awq_is_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
     served = []
     monkeypatch.setattr(commands, "check_port_free", lambda host, port: None)
     monkeypatch.setattr(commands, "ensure_embedded_model", lambda: None)
     monkeypatch.setattr(commands, "ensure_quantized", lambda requantize=False: Path("/cache/awq"))
     monkeypatch.setattr(commands, "run_serve", lambda args: served.append(args.model) or 0)
-    assert commands.run_demo(_parse(["demo"])) == 0 and served == ["smollm2-135m-instruct"]  # 4-bit, no AWQ minutes
+    args = _parse(["demo"])
+    assert commands.run_demo(args) == 0 and served == ["smollm2-135m-instruct"]  # 4-bit, no AWQ minutes
+    assert args.kv_cache_dtype == ("int8" if torch.cuda.is_available() else "auto")
     commands.run_demo(_parse(["demo", "--awq"]))
     assert served[-1] == "/cache/awq"
 
