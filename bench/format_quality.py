@@ -24,7 +24,7 @@ sym / asym) and by ``lightinfer quantize --format compressed-tensors``; AutoAWQ 
 The third-party tools run in their own venv (``--tools-venv``, the one ``tests/fixtures/make_quant_fixtures.py``
 describes) through ``bench/format_quality_tools.py``; without it, their formats are skipped with a message.
 
-Usage: ``python bench/format_quality.py [--max-tokens 4096] [--window 2048] [--only gguf-q4_1 ...] [--reuse]``
+Usage: ``python bench/format_quality.py [--max-tokens 2048] [--window 2048] [--only gguf-q4_1 ...] [--reuse]``
 Writes ``bench/results/format_quality.{json,md}`` (after every format, so a crash keeps what was done).
 """
 
@@ -45,9 +45,9 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from format_gguf import VARIANTS, gguf_reference_model, write_variant  # noqa: E402
-from format_ref import score_dense  # noqa: E402
-from quality import MODEL, _ppl  # noqa: E402
+from format_gguf import VARIANTS, gguf_reference_model, write_variant
+from format_ref import score_dense
+from quality import MODEL, _ppl
 
 RESULTS = HERE / "results"
 TOLERANCE = 0.005  # issue 16: held-out perplexity within 0.5% of the reference
@@ -56,7 +56,11 @@ GPTQ = {f"gptq-4bit-g64-{'sym' if s else 'asym'}{'-actorder' if d else ''}": (s,
 CT_LIB = {f"ct-lib-{st}{'-g64' if st == 'group' else ''}-{'sym' if s else 'asym'}": (st, s)
           for st in ("group", "channel") for s in (True, False)}
 OURS = {"ct-lightinfer-g64-asym": "compressed-tensors", "awq-lightinfer-g64": "awq"}
-CASES = [f"gguf-{v}" for v in ("q4_1", *VARIANTS)] + list(GPTQ) + list(CT_LIB) + list(OURS)
+# Ordered so that a cut-short run has one of each family first.
+CASES = ["gguf-q4_1", "gptq-4bit-g64-asym-actorder", "ct-lib-group-g64-asym", "ct-lightinfer-g64-asym",
+         "awq-lightinfer-g64", "gguf-q4_k", "gguf-q4_0", "gguf-q8_0", "gptq-4bit-g64-sym", "gptq-4bit-g64-asym",
+         "gptq-4bit-g64-sym-actorder", "ct-lib-group-g64-sym", "ct-lib-channel-sym", "ct-lib-channel-asym"]
+assert set(CASES) == {f"gguf-{v}" for v in ("q4_1", *VARIANTS)} | set(GPTQ) | set(CT_LIB) | set(OURS)
 
 
 def _gguf_path() -> Path:
@@ -98,7 +102,10 @@ def tools(venv: Path, args: list[str]) -> None:
     """Run ``format_quality_tools.py`` with the tools' python (cwd: a scratch folder GPTQModel may litter)."""
     cwd = Path(args[args.index("--out") + 1]).parent / "tool-cwd"
     cwd.mkdir(parents=True, exist_ok=True)
-    subprocess.run([str(venv / "bin" / "python"), str(HERE / "format_quality_tools.py"), *args], check=True, cwd=cwd)
+    # GPTQModel sizes its CPU thread pool from os.cpu_count(); on 2 cores its loader pool (2) exceeds it.
+    env = {**os.environ, "GPTQMODEL_CPU_WORKERS": os.environ.get("GPTQMODEL_CPU_WORKERS", "2")}
+    subprocess.run([str(venv / "bin" / "python"), str(HERE / "format_quality_tools.py"), *args], check=True, cwd=cwd,
+                   env=env)
 
 
 def make_case(name: str, work: Path, ids_file: Path, venv: Path | None, method: str, reuse: bool) -> tuple[Path, dict]:
@@ -144,8 +151,8 @@ def write_results(res: dict[str, Any], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "format_quality.json").write_text(json.dumps(res, indent=2) + "\n")
     lines = [f"# Held-out perplexity per format vs its reference ({res['model']})", "",
-             f"{res['tokens']} tokens scored in windows of {res['window']}; reference = the format's own dequantizer, "
-             "transformers fp32 dense. Pass = float32 path within 0.5% of the reference.", "",
+             (f"The first {res['tokens']} held-out tokens, in windows of {res['window']}; reference = the format's own "
+              "dequantizer, transformers fp32 dense. Pass = float32 path within 0.5% of the reference."), "",
              "| format | reference ppl | lightinfer float32 | delta | pass | lightinfer auto (bf16) | delta |",
              "|---|---|---|---|---|---|---|"]
     for name, r in res["formats"].items():
@@ -161,13 +168,14 @@ def write_results(res: dict[str, Any], out_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--max-tokens", type=int, default=4096, help="score the first N held-out tokens (default 4096)")
+    ap.add_argument("--max-tokens", type=int, default=2048,
+                    help="score the first N held-out tokens (default 2048: one window; fits ~25 min on 2 shared cores)")
     ap.add_argument("--window", type=int, default=2048)
     ap.add_argument("--only", nargs="+", choices=CASES, default=None, help="formats to measure (default: all)")
     ap.add_argument("--tools-venv", type=Path, default=Path(os.environ.get(
         "LIGHTINFER_TOOLS_VENV", HERE.parent / ".fixture-venv")), help="venv holding GPTQModel + compressed-tensors")
     ap.add_argument("--method", default="rtn", choices=["rtn", "awq"], help="lightinfer quantize's method")
-    ap.add_argument("--calib-samples", type=int, default=32, help="GPTQ calibration sequences (of --calib-len)")
+    ap.add_argument("--calib-samples", type=int, default=16, help="GPTQ calibration sequences (of --calib-len)")
     ap.add_argument("--calib-len", type=int, default=256)
     ap.add_argument("--work", type=Path, default=Path("/tmp/lightinfer-format-quality"))
     ap.add_argument("--reuse", action="store_true", help="keep checkpoints and references already in --work")

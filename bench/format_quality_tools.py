@@ -27,7 +27,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests" / "fixtures")]
 
-from format_ref import dense_model, read_ids, score_dense  # noqa: E402
+from format_ref import dense_model, read_ids, score_dense
 
 
 def quantize_gptq(base: Path, out: Path, calib: list[list[int]], sym: bool, desc_act: bool, group_size: int) -> None:
