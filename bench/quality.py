@@ -37,11 +37,12 @@ MODEL = "smollm2-135m-instruct"
 RESULTS = Path(__file__).resolve().parent / "results" / "quality.json"
 
 
-def _ppl(model: str, kv: str, window: int, max_tokens: int | None) -> dict[str, Any]:
-    llm = LLM(model, dtype="float32", kv_cache_dtype=kv, max_model_len=window,
+def _ppl(model: str, kv: str, window: int, max_tokens: int | None, dtype: str = "float32") -> dict[str, Any]:
+    """Perplexity of ``model`` through the engine (``dtype`` activations, ``kv`` KV cache) on the held-out text."""
+    llm = LLM(model, dtype=dtype, kv_cache_dtype=kv, max_model_len=window,
               max_num_batched_tokens=window)
     r = perplexity(llm=llm, window=window, max_tokens=max_tokens)
-    print(f"  {model} kv={kv}: {r.format()}", flush=True)
+    print(f"  {model} dtype={dtype} kv={kv}: {r.format()}", flush=True)
     return {"ppl": r.ppl, "tokens_scored": r.tokens_scored, "seconds": round(r.seconds, 1)}
 
 
