@@ -43,7 +43,8 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+if str(HERE) not in sys.path:  # imported from the tests: after everything else, shadowing nothing
+    sys.path.append(str(HERE))
 
 from format_gguf import VARIANTS, gguf_reference_model, write_variant
 from format_ref import score_dense

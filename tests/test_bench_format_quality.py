@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
-sys.path.insert(0, str(BENCH))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "formats"))
+for _p in (str(BENCH), str(Path(__file__).resolve().parent / "formats")):
+    if _p not in sys.path:  # appended: the bench scripts' names must not shadow anything the other tests import
+        sys.path.append(_p)
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T
