@@ -171,10 +171,11 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
 
 # Gradio's queue polls for new events every 1 ms and for progress updates every 10 ms, also when nobody
 # uses the UI: 1,100 wake-ups of the server's event loop a second, 3-10% of a core for an idle server
-# (bench/idle_cpu.py). Every 50 ms / 100 ms (what Gradio itself uses on Windows) costs an idle server a few
-# tenths of a percent, and a chat message at most 50 ms before its event starts (the API is not affected).
-QUEUE_POLL_S = 0.05
-PROGRESS_POLL_S = 0.1
+# (bench/idle_cpu.py). At 50 ms / 100 ms (what Gradio itself uses on Windows) an idle server still took 1.0%
+# of a core on 2 idle cores (2026-12-01); every 100 ms / 250 ms costs a chat message at most 100 ms before its
+# event starts (the API is not affected), a small part of a CPU reply's time to first token.
+QUEUE_POLL_S = 0.1
+PROGRESS_POLL_S = 0.25
 
 
 def quiet_when_idle(demo: gr.Blocks) -> None:

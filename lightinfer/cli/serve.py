@@ -125,7 +125,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from lightinfer.engine.llm_engine import LLMEngine
     from lightinfer.entrypoints.server import build_api_app, run_server
 
-    config = EngineConfig(model=args.model, max_waiting=args.max_waiting, **engine_kwargs(args))
+    kwargs = engine_kwargs(args)
+    if kwargs.get("threads") is None:  # a core for the event loop (config.serving_threads)
+        from lightinfer.config import serving_threads
+
+        kwargs["threads"] = serving_threads()
+    config = EngineConfig(model=args.model, max_waiting=args.max_waiting, **kwargs)
     print(f"lightinfer: loading {args.model} (KV cache {args.kv_cache_dtype}) ...", flush=True)
     engine = AsyncLLMEngine(LLMEngine(config, show_progress=True))
     options = {"served_model_name": args.served_model_name, "api_key": args.api_key,
