@@ -64,7 +64,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             tune_malloc_for_cpu_inference()  # before the large allocations; see cpu_malloc.py
             if config.threads or "OMP_NUM_THREADS" not in os.environ:  # else torch already follows that variable
-                torch.set_num_threads(config.threads or usable_cores())
+                # Loading (the weights' CPU preparation) takes every usable core; the steps then run on
+                # `threads` (a server leaves one to its event loop: config.serving_threads).
+                torch.set_num_threads(max(config.threads or 1, usable_cores()))
         else:  # Triton launches and graph capture use the current device, not the tensors'
             torch.cuda.set_device(self.device)
         hf_config = checkpoint.hf_config
@@ -124,6 +126,8 @@ class ModelRunner:
         with progress.phase("allocating the KV cache"):
             self.group_num_blocks = self._num_blocks()
             self._allocate_kv_cache()
+        if self.device.type == "cpu" and config.threads:
+            torch.set_num_threads(config.threads)
         self.graph_runner: DecodeGraphRunner | None = None
         if self._uses_cuda_graphs():
             with progress.phase("capturing the decode CUDA graphs"):
