@@ -106,7 +106,10 @@ def real_server() -> Iterator[LiveServer]:
     # The AWQ checkpoint runs as `make demo` does, with INT8 KV; the GGUF with fp32 KV (its INT8 KV output
     # is off at the moment: an engine issue, reported). LIGHTINFER_TEST_KV_CACHE_DTYPE overrides.
     kv = os.environ.get("LIGHTINFER_TEST_KV_CACHE_DTYPE") or ("auto" if source == "smollm2-135m-instruct" else "int8")
-    config = EngineConfig(model=source, device="cpu", max_model_len=1024, kv_cache_dtype=kv,
+    # fp32, the exact path these real-model tests were written against: with the CPU's bf16 default SmolLM2
+    # writes endless JSON strings under json_object (the grammar allows them; tests/engine/test_cpu_lowbit_engine.py
+    # and bench/format_quality.py cover the bf16 path).
+    config = EngineConfig(model=source, device="cpu", dtype="float32", max_model_len=1024, kv_cache_dtype=kv,
                           kv_cache_memory_bytes="64MiB", max_num_seqs=48, max_waiting=128)
     engine = AsyncLLMEngine(LLMEngine(config))
     live = start_server(build_app(engine, served_model_name="smollm2"), engine)

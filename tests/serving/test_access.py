@@ -12,7 +12,7 @@ from conftest import LiveServer, fake_engine, start_server
 from lightinfer.cli.serve import access_summary
 from lightinfer.webui.server import build_app
 
-CHAT_DATA = {"data": ["hi", [], "", 0, 1, 0, 8, -1]}
+CHAT_DATA = {"data": ["hi", [], "", 0, 1, 0, 8, -1, ""]}  # ..., seed, JSON schema box
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_run_serve_prints_the_access_banner(monkeypatch: pytest.MonkeyPatch, cap
     from lightinfer.entrypoints import server
 
     served = {}
-    monkeypatch.setattr(llm_engine, "LLMEngine", lambda config: FakeLLMEngine(config))
+    monkeypatch.setattr(llm_engine, "LLMEngine", lambda config, **_: FakeLLMEngine(config))
     monkeypatch.setattr(server, "run_server", lambda app, host, port, **kw: served.update(kw, host=host))
     from conftest import free_port
 

@@ -27,7 +27,7 @@ def _stream(url: str, arrivals: list[float], done: threading.Event) -> None:
 
 
 def _ui_call(url: str, message: str) -> str:
-    r = httpx.post(f"{url}/gradio_api/call/chat", json={"data": [message, [], "", 0, 1, 0, 8, -1]}, timeout=60)
+    r = httpx.post(f"{url}/gradio_api/call/chat", json={"data": [message, [], "", 0, 1, 0, 8, -1, ""]}, timeout=60)
     r.raise_for_status()
     return httpx.get(f"{url}/gradio_api/call/chat/{r.json()['event_id']}", timeout=60).text
 

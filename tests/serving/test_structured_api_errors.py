@@ -55,16 +55,19 @@ BAD_CHAT = [
 ]
 
 
+AUTH = {"Authorization": "Bearer test-key"}  # /stats needs the server's key, as /v1 does
+
+
 @pytest.mark.parametrize("kwargs, param, needle", BAD_CHAT)
 def test_chat_400_names_the_field(client: openai.OpenAI, fake_server: LiveServer, kwargs: dict, param: str,
                                   needle: str) -> None:
-    before = httpx.get(f"{fake_server.url}/stats").json()["num_prompt_tokens"]
+    before = httpx.get(f"{fake_server.url}/stats", headers=AUTH).json()["num_prompt_tokens"]
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=4, **kwargs)
     body = e.value.body
     assert e.value.status_code == 400 and needle in body["message"], body
     assert body["param"] == param or body["message"].startswith(param), body
-    assert httpx.get(f"{fake_server.url}/stats").json()["num_prompt_tokens"] == before  # nothing was generated
+    assert httpx.get(f"{fake_server.url}/stats", headers=AUTH).json()["num_prompt_tokens"] == before  # nothing was generated
 
 
 @pytest.mark.parametrize("messages, param, needle", [
