@@ -62,17 +62,7 @@ def write_tiny_gguf(path: Path, types: dict[str, T] | None = None, seed: int = 0
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
-    w.add_tokenizer_model("gpt2")
-    from tokenizers import pre_tokenizers
-
-    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())  # GPT-2's printable stand-ins for the 256 bytes
-    tokens = byte_chars + [f"<extra_{i}>" for i in range(VOCAB - 258)] + ["<s>", "</s>"]
-    w.add_token_list(tokens)
-    w.add_token_types([1] * (VOCAB - 2) + [3, 3])
-    w.add_token_scores([0.0] * VOCAB)
-    w.add_token_merges([])
-    w.add_bos_token_id(VOCAB - 2)
-    w.add_eos_token_id(VOCAB - 1)
+    add_byte_tokenizer(w)
 
     def tensor(name: str, kind: str, shape: tuple[int, ...], scale: float = 0.05, permute: int = 0) -> None:
         data = (rng.standard_normal(shape) * scale).astype(np.float32)
@@ -125,7 +115,7 @@ def write_tiny_qwen3moe_gguf(path: Path, types: dict[str, T] | None = None, seed
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
-    _byte_tokenizer(w)
+    add_byte_tokenizer(w)
 
     def tensor(name: str, kind: str, shape: tuple[int, ...]) -> None:
         t = types.get(kind, T.F32)
@@ -161,8 +151,9 @@ def write_tiny_qwen3moe_gguf(path: Path, types: dict[str, T] | None = None, seed
     return path
 
 
-def _byte_tokenizer(w: GGUFWriter) -> None:
-    """GPT-2 byte-level tokenizer metadata with :data:`VOCAB` tokens."""
+def add_byte_tokenizer(w: GGUFWriter) -> None:
+    """GPT-2 byte-level tokenizer metadata with :data:`VOCAB` tokens (the 256 bytes as GPT-2's printable
+    stand-ins, filler tokens, then <s> and </s>)."""
     from tokenizers import pre_tokenizers
 
     byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter
 
 from lightinfer import LLM
-from tests.formats.gguf_files import VOCAB, encode
+from tests.formats.gguf_files import VOCAB, add_byte_tokenizer, encode
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS = 256, 4, 2, 64, 512, 2
 
@@ -27,16 +27,7 @@ def _header(w: GGUFWriter) -> None:
     w.add_head_count_kv(KV_HEADS)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
-    w.add_tokenizer_model("gpt2")
-    from tokenizers import pre_tokenizers
-
-    tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + [f"<extra_{i}>" for i in range(VOCAB - 258)] + ["<s>", "</s>"]
-    w.add_token_list(tokens)
-    w.add_token_types([1] * (VOCAB - 2) + [3, 3])
-    w.add_token_scores([0.0] * VOCAB)
-    w.add_token_merges([])
-    w.add_bos_token_id(VOCAB - 2)
-    w.add_eos_token_id(VOCAB - 1)
+    add_byte_tokenizer(w)
     w.add_pad_token_id(0)
 
 
