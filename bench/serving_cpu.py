@@ -74,7 +74,6 @@ def main() -> int:
     from lightinfer.cli.serve import cache_dir
     from lightinfer.config import EngineConfig
     from lightinfer.engine.async_engine import AsyncLLMEngine
-    from lightinfer.engine.llm_engine import LLMEngine
     from lightinfer.entrypoints.server import build_api_app
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -89,9 +88,10 @@ def main() -> int:
     args = ap.parse_args()
 
     t0 = time.perf_counter()
-    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=args.model, device="cpu", max_model_len=1024,
-                                                   kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype,
-                                                   threads=args.threads)))
+    # loaded on the engine's own thread, as `lightinfer serve` does (AsyncLLMEngine.from_config)
+    engine = AsyncLLMEngine.from_config(EngineConfig(model=args.model, device="cpu", max_model_len=1024,
+                                                     kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype,
+                                                     threads=args.threads))
     load_s = time.perf_counter() - t0
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(build_api_app(engine, served_model_name="bench"),

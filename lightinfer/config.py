@@ -81,17 +81,6 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def serving_threads() -> int:
-    """CPU threads for the engine of an HTTP server: the usable cores but one (at least one), left to the
-    event loop that parses requests and streams tokens. With every core taken by torch's OpenMP threads, a
-    decode step waits whenever the loop preempts one of them: on 2 idle cores (2026-12-01) one user's time
-    per output token was 35.7 ms with 2 threads and 22.7 ms with 1, 16 users' throughput the same within
-    noise (``bench/peer_serving.py``). vLLM's CPU build does the same. ``OMP_NUM_THREADS`` still wins."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return max(1, int(os.environ["OMP_NUM_THREADS"] or 1))
-    return max(1, usable_cores() - 1)
-
-
 def cpu_auto_dtype(quantized: bool) -> torch.dtype:
     """What ``dtype="auto"`` means on a CPU: bf16 for a 4-/8-bit checkpoint where torch's CPU int4 GEMM runs
     (its fast path takes bf16 activations, and the weights then stay low-bit: ``kernels/cpu_lowbit.py``)

@@ -122,17 +122,12 @@ def run_serve(args: argparse.Namespace) -> int:
         _import_in_background("lightinfer.webui.server")
     from lightinfer.config import EngineConfig
     from lightinfer.engine.async_engine import AsyncLLMEngine
-    from lightinfer.engine.llm_engine import LLMEngine
     from lightinfer.entrypoints.server import build_api_app, run_server
 
     kwargs = engine_kwargs(args)
-    if kwargs.get("threads") is None:  # a core for the event loop (config.serving_threads)
-        from lightinfer.config import serving_threads
-
-        kwargs["threads"] = serving_threads()
     config = EngineConfig(model=args.model, max_waiting=args.max_waiting, **kwargs)
     print(f"lightinfer: loading {args.model} (KV cache {args.kv_cache_dtype}) ...", flush=True)
-    engine = AsyncLLMEngine(LLMEngine(config, show_progress=True))
+    engine = AsyncLLMEngine.from_config(config)  # loads on the thread that will step it (see from_config)
     options = {"served_model_name": args.served_model_name, "api_key": args.api_key,
                "max_request_bytes": args.max_request_bytes, "tool_call_parser": args.tool_call_parser}
     if args.no_ui:

@@ -71,12 +71,21 @@ class RequestStream:
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._done = False
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the reader runs on."""
+        return self._loop
+
     def put(self, item: RequestOutput | BaseException | object) -> None:
         """Thread-safe: hand an output, an exception or the end sentinel to the reader."""
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:  # the client's event loop is closed: nobody is reading any more
             pass
+
+    def put_nowait(self, item: RequestOutput | BaseException | object) -> None:
+        """On the reader's event loop only: queue ``item`` for the reader."""
+        self._queue.put_nowait(item)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -96,6 +105,12 @@ class RequestStream:
         if item.finished:
             self._done = True
         return item
+
+
+def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    """On a reader's event loop: queue one step's outputs for their streams."""
+    for stream, out in items:
+        stream.put_nowait(out)
 
 
 @dataclass
@@ -140,6 +155,55 @@ class AsyncLLMEngine:
         self._stop = threading.Event()
         self._dead: str | None = None
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_config(cls, config: Any, *, show_progress: bool = True, max_waiting: int | None = None
+                    ) -> AsyncLLMEngine:
+        """Load the model on the engine's own thread and start the loop there; what ``lightinfer serve`` does.
+
+        Why a CPU server should start this way: torch runs its CPU ops on an OpenMP thread team, one team
+        per thread that ever ran a parallel op. Once two threads have teams (the main thread that loaded
+        the model and an engine thread that steps it), libgomp manages more threads than there are cores
+        and stops its workers from spinning between ops, so each of the thousands of ops of a decode step
+        waits for a futex wake-up: on 2 idle cores (2026-12-01) one user's decode took 35 ms per token
+        from a second thread against 12 ms from the loading one. Loading where the loop runs keeps one team.
+
+        Args:
+            config: a :class:`lightinfer.config.EngineConfig`.
+            show_progress: print the loading phases (as :class:`LLMEngine` does).
+            max_waiting: as in the constructor.
+        Returns:
+            a started engine (``start()`` is then a no-op; ``shutdown()`` stops it).
+        Raises:
+            whatever ``LLMEngine(config)`` raises (FileNotFoundError, ValueError, ...), re-raised here.
+        """
+        from lightinfer.engine.llm_engine import LLMEngine
+
+        loaded: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        owner: queue.Queue[AsyncLLMEngine | None] = queue.Queue(maxsize=1)
+
+        def boot() -> None:
+            try:
+                engine = LLMEngine(config, show_progress=show_progress)
+            except BaseException as exc:  # noqa: BLE001 -- handed to the caller, who raises it
+                loaded.set_exception(exc)
+                return
+            loaded.set_result(engine)
+            served = owner.get()
+            if served is not None:
+                served._run()
+
+        thread = threading.Thread(target=boot, name="lightinfer-engine", daemon=True)
+        thread.start()
+        engine = loaded.result()
+        try:
+            served = cls(engine, max_waiting=max_waiting)
+        except BaseException:
+            owner.put(None)
+            raise
+        served._thread = thread
+        owner.put(served)
+        return served
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -319,6 +383,9 @@ class AsyncLLMEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
+        # One hand-off per event loop and step, not one per request: each call_soon_threadsafe wakes the
+        # loop (a write to its self-pipe), and every wake-up takes a core from the next step's threads.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for out in outputs:
             tracked = self._requests.get(out.request_id)
             if tracked is None:  # aborted meanwhile
@@ -337,7 +404,12 @@ class AsyncLLMEngine:
                 reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "stop")
                 for obs in self._observers:
                     obs.on_finished(reason, now - tracked.arrival)
-            tracked.stream.put(out)
+            batches.setdefault(tracked.stream.loop, []).append((tracked.stream, out))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that event loop is closed: nobody is reading any more
+                pass
 
     def _fail_all(self, exc: Exception) -> None:
         """End every in-flight request with ``exc`` and drop it from the engine."""

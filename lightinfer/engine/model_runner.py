@@ -65,7 +65,7 @@ class ModelRunner:
             tune_malloc_for_cpu_inference()  # before the large allocations; see cpu_malloc.py
             if config.threads or "OMP_NUM_THREADS" not in os.environ:  # else torch already follows that variable
                 # Loading (the weights' CPU preparation) takes every usable core; the steps then run on
-                # `threads` (a server leaves one to its event loop: config.serving_threads).
+                # `threads`.
                 torch.set_num_threads(max(config.threads or 1, usable_cores()))
         else:  # Triton launches and graph capture use the current device, not the tensors'
             torch.cuda.set_device(self.device)

