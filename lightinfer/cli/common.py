@@ -55,8 +55,9 @@ def add_engine_args(p: argparse.ArgumentParser, kv_cache_dtype: str | None = "au
                    help="most prompt tokens one request computes per step, so requests behind a long prompt are not "
                         "held for its whole prefill; 0: no cap (default: 512 on a CPU, no cap on a GPU)")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for the engine's computation (default: the cores this process may use; "
-                        "serve and demo leave one of them to the HTTP server)")
+                   help="CPU threads for the engine's computation (default: $OMP_NUM_THREADS, else the cores this "
+                        "process may use; on a machine shared with other busy processes 1 avoids threads waiting "
+                        "for each other)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
