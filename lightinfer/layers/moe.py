@@ -178,6 +178,20 @@ class FusedMoE(nn.Module):
         w13, w2 = self.expert_weights()
         self._prepared = (prepare_experts(w13, self.dtype), prepare_experts(w2, self.dtype))
 
+    def prepared_nbytes(self) -> int:
+        """Bytes of the CPU copies of the stacks (``kernels/moe_cpu.py``: prepacked fp32, int4 or dense) that
+        :meth:`pack_for_cpu` or a first CPU forward made, which this module holds beside its stacked tensors
+        (they are not released: a GPU engine's ``--cpu-experts`` and the Triton path read them); 0 before
+        any. A dense stack prepared in its own dtype is the stack itself, not a copy, and counts 0."""
+        own = {t.untyped_storage().data_ptr() for t in (*self.parameters(recurse=False), *self.buffers(recurse=False))}
+        total = 0
+        for p in self._prepared:
+            weight = getattr(p, "weight", None)
+            if p is None or (weight is not None and weight.untyped_storage().data_ptr() in own):
+                continue
+            total += p.nbytes()
+        return total
+
     @property
     def device(self) -> torch.device:
         return self.expert_weights()[0].device
