@@ -22,11 +22,15 @@ def weights_note(info: dict[str, Any]) -> str:
             why.append(f"each quantized layer keeps its scales and zeros in {dtype}, one per group and output channel")
         parts.append(f"the checkpoint files are {files / MIB:,.1f} MiB" + (f"; in memory {' and '.join(why)}"
                                                                            if why else ""))
-    cpu_copy = info.get("cpu_dense_bytes") or 0
+    experts = info.get("cpu_expert_bytes") or 0
+    cpu_copy = (info.get("cpu_dense_bytes") or 0) - experts  # the linears' part; the experts' said apart
     if cpu_copy:
         what = ("the quantized layers kept dequantized for the fp32 GEMM" if dtype == "float32" else
                 "a quantized embedding table's rows kept in 16 bits for the lookup (the layers stay 4-/8-bit)")
         parts.append(f"of it, {cpu_copy / MIB:,.1f} MiB are {what}")
+    if experts:
+        parts.append(f"{experts / MIB:,.1f} MiB are the MoE experts' copies prepared for the CPU GEMMs "
+                     f"(beside their stacked weights)")
     return "; ".join(parts)
 
 

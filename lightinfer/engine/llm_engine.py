@@ -405,10 +405,12 @@ class LLMEngine:
             "weights": describe_formats(self.model_runner.weight_formats),
             "kv_cache_dtype": "int8" if spec.is_int8 else str(spec.dtype).replace("torch.", ""),
             "weight_bytes": self.model_runner.weight_bytes,
-            # what the weight files take on disk (0 for dummy weights), and on a CPU the dequantized copies
-            # of the quantized linears that the fp32 GEMM reads (not in weight_bytes)
+            # what the weight files take on disk (0 for dummy weights); of weight_bytes, the copies the CPU path
+            # keeps for its GEMMs (the quantized linears dequantized for the fp32 GEMM, a quantized table's
+            # 16-bit rows, the MoE experts' prepared copies), and of those the experts' part
             "checkpoint_bytes": 0 if self.config.load_format == "dummy" else self.checkpoint.source_bytes,
             "cpu_dense_bytes": self.model_runner.cpu_dense_bytes,
+            "cpu_expert_bytes": self.model_runner.cpu_expert_bytes,
             "num_kv_blocks": self.model_runner.num_blocks,
             "block_size": spec.block_size,
             "kv_pool_tokens": self.model_runner.num_blocks * spec.block_size,

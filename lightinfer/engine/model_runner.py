@@ -32,7 +32,7 @@ from lightinfer.layers.attention import Attention, AttentionMetadata, KVGroupTab
 from lightinfer.layers.embed_head import VocabEmbedding
 from lightinfer.layers.fusion import fuse_model
 from lightinfer.layers.linear import W4A16Linear, W8A16Linear
-from lightinfer.layers.moe import experts_in_host_memory
+from lightinfer.layers.moe import FusedMoE, experts_in_host_memory
 from lightinfer.layers.ops import backend_name
 from lightinfer.loader import Checkpoint, load_weights
 from lightinfer.models.registry import get_model_class
@@ -112,13 +112,15 @@ class ModelRunner:
                 self.model.pack_for_cpu()
         elif self.device.type != "cpu":
             prepare_host_experts(self.model)  # --cpu-experts: their CPU GEMM form, once
-        # What the weights hold, prepared forms included; of it, the dequantized copies of 4-/8-bit layers that
-        # the exact fp32 CPU path multiplies with.
+        # What the weights hold, prepared forms included; of it, the copies the CPU path keeps for its GEMMs (the
+        # part estimate_weight_bytes predicts as cpu_dense).
         self.weight_bytes, self.host_weight_bytes = resident_weight_bytes(self.model, self.device)
-        self.cpu_dense_bytes = sum(m._dense.numel() * m._dense.element_size() for m in self.model.modules()
-                                   if isinstance(m, (W4A16Linear, W8A16Linear))
-                                   and isinstance(getattr(m, "_dense", None), torch.Tensor))
-        moe_report = moe_startup_report(self.model, self.weight_bytes, self.host_weight_bytes,
+        self.cpu_expert_bytes = sum(m.prepared_nbytes() for m in self.model.modules() if isinstance(m, FusedMoE))
+        self.cpu_dense_bytes = dequantized_linear_bytes(self.model) + self.cpu_expert_bytes
+        # The card advice compares run-time layouts: the experts' CPU copies (host memory on a GPU engine) left out.
+        device_copies = self.cpu_expert_bytes if self.device.type == "cpu" else 0
+        moe_report = moe_startup_report(self.model, self.weight_bytes - device_copies,
+                                        self.host_weight_bytes - (self.cpu_expert_bytes - device_copies),
                                         self.kv_spec.bytes_per_token, int(config.max_model_len),
                                         config.gpu_memory_utilization)
         if moe_report:
@@ -398,7 +400,8 @@ def resident_weight_bytes(model: torch.nn.Module, device: torch.device) -> tuple
     """``(bytes on device, bytes in host memory)`` the loaded model's weights really hold: its tensors, each
     storage once (a tied head counts once), plus the forms prepared for the CPU GEMM that replace or join
     them (``pack_for_cpu``: a low-bit layer's ``_lowbit``, a dense prepacked ``_packed``, a dequantized
-    ``_dense``). On a GPU engine the host part is the input embedding kept on the host."""
+    ``_dense``; a MoE layer's expert copies, ``FusedMoE.prepared_nbytes``). On a GPU engine the host part is the
+    input embedding kept on the host and the ``--cpu-experts`` copies."""
     storages = {t.data_ptr(): t for t in model.state_dict().values()}
     on_device = host = 0
     for t in storages.values():
@@ -410,8 +413,23 @@ def resident_weight_bytes(model: torch.nn.Module, device: torch.device) -> tuple
         prepared = [getattr(m, name, None) for name in ("_lowbit", "_packed", "_dense")]
         extra = sum(p.nbytes if hasattr(p, "nbytes") and not isinstance(p, torch.Tensor) else
                     p.numel() * p.element_size() for p in prepared if p is not None)
+        if isinstance(m, FusedMoE):  # only experts that compute on the CPU have copies: host memory on a GPU engine
+            extra += m.prepared_nbytes()
         if device.type == "cpu":
             on_device += extra
         else:
             host += extra
     return on_device, host
+
+
+def dequantized_linear_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the 4-/8-bit linears' weights the CPU path holds dequantized (the fp32 engine's exact GEMM: a
+    prepacked ``_packed`` or a plain ``_dense`` ``[out, in]`` copy; a quantized table's 16-bit rows), beside or
+    instead of their codes; ``linear_nbytes``' ``cpu_dense`` predicts them."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, (W4A16Linear, W8A16Linear)):
+            dense, packed = getattr(m, "_dense", None), getattr(m, "_packed", None)
+            total += dense.numel() * dense.element_size() if isinstance(dense, torch.Tensor) else 0
+            total += packed.nbytes if packed is not None else 0
+    return total

@@ -3,35 +3,29 @@
 The ``gguf`` package's ``GGUFReader`` makes a numpy view of every part of every field: a tokenizer of
 49,152 tokens and 48,900 merges is ~440,000 views, 2-3 s of CPU per read, and a load read the header
 three times (the tensor table here, then transformers' GGUF config reader twice, for the config and for
-the tokenizer's config): ~8 s of a 135M model's start-up. :func:`read_gguf_header` parses it with
-``struct`` over a memory map (~0.2 s), checks it (magic, version, byte order, every tensor's type and
-extent against the file size), and :func:`transformers_reads_header` lets transformers' config and
-tokenizer readers use that parse instead of reading the file again.
+the tokenizer's config): ~8 s of a 135M model's start-up. :func:`read_gguf_header` reads it in one
+bounds-checked walk with ``struct`` over a memory map (``gguf_bounds.walk_gguf_file``: magic, version, byte
+order, every count and length checked as it is read; ~0.06 s for a 49k-token vocabulary), checks every
+tensor's type and extent against the file size, and :func:`transformers_reads_header` lets transformers'
+config and tokenizer readers use that parse instead of reading the file again.
 """
 
 from __future__ import annotations
 
 import contextlib
-import mmap
+import math
 import os
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
-_VERSIONS = (2, 3)
-_STRING, _ARRAY = 8, 9
-# scalar value types: struct format and size (GGUF's GGUFValueType ids)
-_SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4), 6: ("<f", 4),
-            7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8)}
-_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
-          7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
-_MAX_ITEMS = 1 << 32  # a count beyond this is a corrupt header, not a real file
+from lightinfer.formats.gguf_bounds import WalkedHeader, walk_gguf_file
+
+_STRING, _ARRAY = 8, 9  # GGUF's value type ids of a string and an array
 
 
 @dataclass(frozen=True)
@@ -63,122 +57,43 @@ class GGUFHeader:
         return entry[1][1] if entry[0] == _ARRAY else entry[1]
 
 
-class _Reader:
-    def __init__(self, buf: mmap.mmap, path: Path) -> None:
-        self.buf, self.pos, self.path = buf, 0, path
-
-    def scalar(self, kind: int) -> Any:
-        fmt, size = _SCALARS[kind]
-        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += size
-        return value
-
-    def count(self) -> int:
-        n = self.scalar(10)
-        if n > _MAX_ITEMS or self.pos + n > len(self.buf):
-            raise ValueError(f"a length of {n} at byte {self.pos - 8} runs past the end of the file")
-        return n
-
-    def string(self) -> str:
-        n = self.count()
-        self.pos += n
-        return self.buf[self.pos - n: self.pos].decode("utf-8", "replace")
-
-    def value(self, kind: int) -> Any:
-        if kind == _STRING:
-            return self.string()
-        if kind == _ARRAY:
-            item = self.scalar(4)
-            n = self.count()
-            if item == _STRING:
-                return item, [self.string() for _ in range(n)]
-            if item not in _NUMPY:
-                raise ValueError(f"an array of value type {item} (not a GGUF type)")
-            arr = np.frombuffer(self.buf, dtype=_NUMPY[item], count=n, offset=self.pos).copy()
-            self.pos += arr.nbytes
-            return item, arr.tolist()
-        if kind not in _SCALARS:
-            raise ValueError(f"value type {kind} (not a GGUF type) at byte {self.pos - 4}")
-        return self.scalar(kind)
-
-
 def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
-    """Parse and check ``path``'s header (module docstring).
+    """Parse and check ``path``'s header (module docstring) in one walk (``gguf_bounds.walk_gguf_file``: counts,
+    lengths and value types checked as they are read), then check each tensor's type and extent.
 
     Raises:
         ValueError: not a GGUF file, an unsupported version, a big-endian file, a corrupt or truncated
-            header, a tensor of an unknown type or extending past the end of the file (named).
+            header (the field and its byte offset named), a tensor of an unknown type or extending past the
+            end of the file (named).
     """
-    from lightinfer.formats.gguf_bounds import check_gguf_header
-
-    path = Path(path)
-    # Every count and length checked against the file first, each refusal naming the field and its offset
-    # (~0.06 s for a 49k-token vocabulary); the parse below then builds the values.
-    check_gguf_header(path)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < 24:
-            raise ValueError(f"{path} is not a GGUF file (only {size} bytes)")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            if buf[:4] != b"GGUF":
-                raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
-            (version,) = struct.unpack_from("<I", buf, 4)
-            if version & 0xFFFF == 0 and version:
-                raise ValueError(f"{path} is a big-endian GGUF file; lightinfer reads little-endian files only")
-            if version not in _VERSIONS:
-                raise ValueError(f"{path} is GGUF version {version}; lightinfer reads versions 2 and 3")
-            try:
-                return _parse(_Reader(buf, path), version, size)
-            except _TensorError as e:
-                raise ValueError(f"{path}: {e}") from None
-            except (struct.error, UnicodeDecodeError, OverflowError, ValueError, KeyError) as e:
-                raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt header: {e}); "
-                                 f"re-download it") from None
+    walked = walk_gguf_file(path)
+    return GGUFHeader(walked.path, walked.version, walked.metadata, _tensor_table(walked))
 
 
-class _TensorError(ValueError):
-    """A per-tensor problem (reported with the file name in front)."""
-
-
-def _parse(r: _Reader, version: int, size: int) -> GGUFHeader:
-    r.pos = 8
-    tensor_count, kv_count = r.scalar(10), r.scalar(10)
-    if tensor_count > _MAX_ITEMS or kv_count > _MAX_ITEMS:
-        raise ValueError(f"{tensor_count} tensors / {kv_count} metadata entries")
-    metadata: dict[str, tuple[int, Any]] = {}
-    for _ in range(kv_count):
-        key = r.string()
-        kind = r.scalar(4)
-        metadata[key] = (kind, r.value(kind))
-    entries = []
-    for _ in range(tensor_count):
-        name = r.string()
-        ndims = r.scalar(4)
-        if ndims > 8:
-            raise ValueError(f"tensor {name} has {ndims} dimensions")
-        dims = tuple(r.scalar(10) for _ in range(ndims))
-        type_id, offset = r.scalar(4), r.scalar(10)
-        entries.append((name, type_id, dims, offset))
-    alignment = metadata.get("general.alignment", (4, 32))[1]
+def _tensor_table(walked: WalkedHeader) -> list[TensorInfo]:
+    """The walked tensor entries with their types known and their data inside the file (absolute offsets)."""
+    path, size = walked.path, walked.size
+    alignment = walked.metadata.get("general.alignment", (4, 32))[1]
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise ValueError(f"general.alignment {alignment!r} is not a power of two")
-    data_start = (r.pos + alignment - 1) // alignment * alignment
+        raise ValueError(f"{path} is not a readable GGUF file: general.alignment {alignment!r} is not a power of "
+                         f"two; it is corrupt: re-download it")
+    data_start = (walked.end + alignment - 1) // alignment * alignment
     tensors = []
-    for name, type_id, dims, offset in entries:
+    for name, type_id, dims, offset in walked.tensors:
         try:
             ggml_type = GGMLQuantizationType(type_id)
         except ValueError:
-            raise _TensorError(f"tensor {name} has GGML type id {type_id}, which this gguf package does not "
-                               f"know") from None
+            raise ValueError(f"{path}: tensor {name} has GGML type id {type_id}, which this gguf package does not "
+                             f"know") from None
         block, type_size = GGML_QUANT_SIZES[ggml_type]
-        n = int(np.prod(dims, dtype=np.int64)) if dims else 1
+        n = math.prod(dims)  # < 2^48 (the walk refuses more), so the byte count below is exact
         nbytes = n * type_size // block
         start = data_start + offset
         if start + nbytes > size:
-            raise _TensorError(f"is truncated: tensor {name} ({ggml_type.name}, {n} elements) ends at byte "
-                               f"{start + nbytes} but the file has {size} bytes; re-download it")
+            raise ValueError(f"{path}: is truncated: tensor {name} ({ggml_type.name}, {n} elements) ends at byte "
+                             f"{start + nbytes} but the file has {size} bytes; re-download it")
         tensors.append(TensorInfo(name, ggml_type, dims, start, nbytes))
-    return GGUFHeader(r.path, version, metadata, tensors)
+    return tensors
 
 
 # ------------------------------------------------------------------ transformers' readers on this parse

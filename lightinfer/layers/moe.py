@@ -178,6 +178,20 @@ class FusedMoE(nn.Module):
         w13, w2 = self.expert_weights()
         self._prepared = (prepare_experts(w13, self.dtype), prepare_experts(w2, self.dtype))
 
+    def prepared_nbytes(self) -> int:
+        """Bytes of the CPU copies of the stacks (``kernels/moe_cpu.py``: prepacked fp32, int4 or dense) that
+        :meth:`pack_for_cpu` or a first CPU forward made, which this module holds beside its stacked tensors
+        (they are not released: a GPU engine's ``--cpu-experts`` and the Triton path read them); 0 before
+        any. A dense stack prepared in its own dtype is the stack itself, not a copy, and counts 0."""
+        own = {t.untyped_storage().data_ptr() for t in (*self.parameters(recurse=False), *self.buffers(recurse=False))}
+        total = 0
+        for p in self._prepared:
+            weight = getattr(p, "weight", None)
+            if p is None or (weight is not None and weight.untyped_storage().data_ptr() in own):
+                continue
+            total += p.nbytes()
+        return total
+
     @property
     def device(self) -> torch.device:
         return self.expert_weights()[0].device
@@ -198,13 +212,14 @@ class FusedMoE(nn.Module):
         return y
 
 
-def make_experts(num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 quant_config: dict | None, prefix: str, proj_names: tuple[str, str, str] = ("gate_proj", "up_proj",
-                                                                                             "down_proj"),
-                 layer_idx: int = -1) -> FusedMoE:
-    """The :class:`FusedMoE` for experts stored as ``quant_config`` says (``formats.scheme.linear_format`` of
-    each expert projection ``{prefix}.{e}.{name}``): each stack (gate/up, down) W4 when all its projections are
-    4-bit with one group size, else dense (8-bit codes, e.g. GGUF Q6_K, are dequantized once at load).
+def expert_group_sizes(num_experts: int, hidden_size: int, intermediate_size: int, quant_config: dict | None,
+                       prefix: str, proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                       ) -> tuple[int | None, int | None]:
+    """How each expert stack is stored: the run-time W4 group size of the gate/up stack (K = ``hidden_size``)
+    and of the down stack (K = ``intermediate_size``), or None for a dense stack. A stack is W4 when all its
+    projections ``{prefix}.{e}.{name}`` are 4-bit with one group size (``formats.scheme.linear_format``), else
+    dense (8-bit codes, e.g. GGUF Q6_K, are dequantized once at load; a stack mixing 4-bit and other experts
+    too). The one decision :func:`make_experts` builds by and :func:`experts_nbytes` counts by.
 
     Raises:
         ValueError: a stack whose experts are 4-bit with different group sizes.
@@ -220,31 +235,43 @@ def make_experts(num_experts: int, hidden_size: int, intermediate_size: int, dty
             raise ValueError(f"{prefix}: the experts' {'/'.join(names)} projections are 4-bit with several group "
                              f"sizes ({sorted(g for _, g in kinds)}); one stacked tensor needs one")
         groups.append(kinds.pop()[1] if len(kinds) == 1 and next(iter(kinds))[0] == "w4" else None)
-    return FusedMoE(num_experts, hidden_size, intermediate_size, dtype, groups[0], groups[1], prefix, proj_names,
+    return groups[0], groups[1]
+
+
+def make_experts(num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 quant_config: dict | None, prefix: str, proj_names: tuple[str, str, str] = ("gate_proj", "up_proj",
+                                                                                             "down_proj"),
+                 layer_idx: int = -1) -> FusedMoE:
+    """The :class:`FusedMoE` for experts stored as ``quant_config`` says, each stack W4 or dense as
+    :func:`expert_group_sizes` decides.
+
+    Raises:
+        ValueError: a stack whose experts are 4-bit with different group sizes.
+    """
+    group, down_group = expert_group_sizes(num_experts, hidden_size, intermediate_size, quant_config, prefix,
+                                           proj_names)
+    return FusedMoE(num_experts, hidden_size, intermediate_size, dtype, group, down_group, prefix, proj_names,
                     layer_idx)
 
 
 def experts_nbytes(num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
                    quant_config: dict | None, prefix: str,
                    proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> tuple[int, int]:
-    """Bytes of the :class:`FusedMoE` :func:`make_experts` would build, by arithmetic (nothing is built; the
-    format of expert 0 stands for all, as a checkpoint stores them).
+    """Bytes of the :class:`FusedMoE` :func:`make_experts` would build, by arithmetic on the same decision
+    (:func:`expert_group_sizes`; nothing is built).
 
     Returns:
         ``(stored, cpu_copy)``: the stacks' parameters (W4: int4 codes and a scale and zero per group in
         ``dtype``; dense: ``dtype``), and the CPU copy ``kernels/moe_cpu.py`` prepares of them (fp32 engines a
         prepacked fp32 one, 16-bit engines a 4-bit one for torch's int4 GEMM, none for dense 16-bit experts).
+    Raises:
+        ValueError: as :func:`expert_group_sizes`.
     """
-    from lightinfer.formats.scheme import linear_format
-
     elem = torch.empty(0, dtype=dtype).element_size()
     e, h, i = num_experts, hidden_size, intermediate_size
+    groups = expert_group_sizes(e, h, i, quant_config, prefix, proj_names)
     stored = copy = 0
-    for name, (n, k) in ((proj_names[0], (2 * i, h)), (proj_names[2], (h, i))):
-        fmt = linear_format(quant_config, f"{prefix}.0.{name}")
-        w4 = quant_config is not None and fmt.kind == "w4"
-        groups = k // max(fmt.runtime_group_size(k), 1) if w4 else 0
-        stored += e * (n * k // 2 + 2 * groups * n * elem if w4 else n * k * elem)
-        copy += int(e * n * k * (4 if elem == 4 else 0.5 if w4 else 0))
+    for g, (n, k) in zip(groups, ((2 * i, h), (h, i))):
+        stored += e * (n * k // 2 + 2 * (k // g) * n * elem if g else n * k * elem)
+        copy += int(e * n * k * (4 if elem == 4 else 0.5 if g else 0))
     return stored, copy
-

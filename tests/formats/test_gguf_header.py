@@ -72,3 +72,37 @@ def test_bad_files_are_refused_naming_the_file(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match=message) as e:
             read_gguf_header(bad)
         assert name in str(e.value), name
+
+
+def test_header_is_mapped_and_walked_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One pass both checks the header and yields its values: the file is memory-mapped once per read (the
+    bounds check and the parse used to map and walk it twice)."""
+    import mmap
+
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+    maps = []
+    real = mmap.mmap
+    monkeypatch.setattr(mmap, "mmap", lambda *a, **k: maps.append(a) or real(*a, **k))
+    header = read_gguf_header(path)
+    assert len(maps) == 1
+    assert len(header.get("tokenizer.ggml.tokens")) == 272 and header.tensors
+
+
+def test_bad_token_strings_are_named_with_their_offset(tmp_path: Path) -> None:
+    """The string-array fast path keeps the walk's per-item checks and messages."""
+    data = write_tiny_gguf(tmp_path / "m.gguf").read_bytes()
+    key = b"tokenizer.ggml.tokens"
+    item0 = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key) + 4 + 4 + 8  # type, item type, count
+    length = struct.unpack_from("<Q", data, item0)[0]
+    cases = {
+        "long.gguf": (_patched(data, item0, "<Q", 2**60),
+                      f"item 0 of metadata 'tokenizer.ggml.tokens' at byte {item0:,} claims {2**60:,} bytes"),
+        "utf8.gguf": (data[:item0 + 8] + b"\xff" * length + data[item0 + 8 + length:],
+                      f"item 0 of metadata 'tokenizer.ggml.tokens' at byte {item0:,} is not UTF-8 text"),
+    }
+    for name, (content, message) in cases.items():
+        bad = tmp_path / name
+        bad.write_bytes(content)
+        with pytest.raises(ValueError) as e:
+            read_gguf_header(bad)
+        assert str(e.value).startswith(f"{bad} is not a readable GGUF file: {message}"), str(e.value)
