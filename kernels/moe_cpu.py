@@ -98,15 +98,42 @@ def onednn_available() -> bool:
         return False
 
 
-def choose_kind(w: ExpertWeights, dtype: torch.dtype) -> str:
-    """``int4`` for W4 experts with 16-bit activations where torch's kernel takes the shape, ``onednn`` for fp32
-    activations where oneDNN works, else ``dense``."""
-    if (w.is_quantized and dtype in (torch.bfloat16, torch.float16) and int4_gemm_available()
-            and w.out_features % 16 == 0 and w.group_size in INT4_GROUP_SIZES):
+def cpu_expert_kind(is_quantized: bool, dtype: torch.dtype, out_features: int, group_size: int) -> str:
+    """The CPU form of one expert stack (module docstring): ``int4`` for W4 experts (``is_quantized``) with 16-bit
+    activations where torch's kernel takes the shape (``out_features`` N a multiple of 16, ``group_size`` G one
+    of :data:`INT4_GROUP_SIZES`), ``onednn`` for fp32 activations where oneDNN works, else ``dense``. The one rule
+    :func:`prepare_experts` prepares by and :func:`prepared_copy_nbytes` (the engine's estimates) counts by."""
+    if (is_quantized and dtype in (torch.bfloat16, torch.float16) and int4_gemm_available()
+            and out_features % 16 == 0 and group_size in INT4_GROUP_SIZES):
         return "int4"
     if dtype == torch.float32 and onednn_available():
         return "onednn"
     return "dense"
+
+
+def choose_kind(w: ExpertWeights, dtype: torch.dtype) -> str:
+    """:func:`cpu_expert_kind` of the stack ``w`` for activations of ``dtype``."""
+    return cpu_expert_kind(w.is_quantized, dtype, w.out_features, w.group_size)
+
+
+def prepared_copy_nbytes(is_quantized: bool, dtype: torch.dtype, num_experts: int, out_features: int,
+                         in_features: int, group_size: int) -> int:
+    """Bytes of the copy :func:`prepare_experts` makes of a stack of ``num_experts`` ``[N, K]`` experts (W4 with
+    group ``group_size`` when ``is_quantized``, else dense in ``dtype``, as ``FusedMoE`` builds them in the
+    activation dtype) for activations of ``dtype``, by arithmetic on :func:`cpu_expert_kind` (nothing built).
+
+    ``int4``: torch's packed codes (uint8 ``[N, K // 2]`` per expert) and scale_zeros ``[E, K // G, N, 2]`` in
+    ``dtype``; ``onednn``: 4 bytes per weight; ``dense``: the dequantized ``[E, N, K]`` in ``dtype`` for W4
+    experts, 0 for dense ones (the stack itself, not a copy: ``FusedMoE.prepared_nbytes`` counts it so).
+    """
+    e, n, k = num_experts, out_features, in_features
+    elem = torch.empty(0, dtype=dtype).element_size()
+    kind = cpu_expert_kind(is_quantized, dtype, n, group_size)
+    if kind == "int4":
+        return e * (n * k // 2 + (k // group_size) * n * 2 * elem)
+    if kind == "onednn":
+        return e * n * k * 4
+    return e * n * k * elem if is_quantized else 0
 
 
 @torch.no_grad()

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightinfer.kernels import ExpertWeights, get_backend
+from lightinfer.kernels.moe_cpu import prepared_copy_nbytes
 from lightinfer.layers.ops import ops_for
 
 _host_layers: frozenset[int] = frozenset()
@@ -192,6 +193,13 @@ class FusedMoE(nn.Module):
             total += p.nbytes()
         return total
 
+    def cpu_copy_nbytes(self) -> int:
+        """Bytes of the CPU copies :meth:`pack_for_cpu` will make for activations of this layer's dtype, by the
+        kernel's rule (``kernels.moe_cpu.prepared_copy_nbytes``) on the stacks' shapes: nothing is prepared,
+        and a meta-device module works. Equals :meth:`prepared_nbytes` once they are made."""
+        return sum(prepared_copy_nbytes(w.is_quantized, self.dtype, w.num_experts, w.out_features, w.in_features,
+                                        w.group_size) for w in self.expert_weights())
+
     @property
     def device(self) -> torch.device:
         return self.expert_weights()[0].device
@@ -262,8 +270,9 @@ def experts_nbytes(num_experts: int, hidden_size: int, intermediate_size: int, d
 
     Returns:
         ``(stored, cpu_copy)``: the stacks' parameters (W4: int4 codes and a scale and zero per group in
-        ``dtype``; dense: ``dtype``), and the CPU copy ``kernels/moe_cpu.py`` prepares of them (fp32 engines a
-        prepacked fp32 one, 16-bit engines a 4-bit one for torch's int4 GEMM, none for dense 16-bit experts).
+        ``dtype``; dense: ``dtype``), and the CPU copy ``kernels/moe_cpu.py`` prepares of them for activations of
+        ``dtype`` (:func:`~lightinfer.kernels.moe_cpu.prepared_copy_nbytes`, the rule the kernel prepares by:
+        int4 codes plus scale/offset pairs, a dense or prepacked fp32 fallback, none for dense 16-bit experts).
     Raises:
         ValueError: as :func:`expert_group_sizes`.
     """
@@ -273,5 +282,5 @@ def experts_nbytes(num_experts: int, hidden_size: int, intermediate_size: int, d
     stored = copy = 0
     for g, (n, k) in zip(groups, ((2 * i, h), (h, i))):
         stored += e * (n * k // 2 + 2 * (k // g) * n * elem if g else n * k * elem)
-        copy += int(e * n * k * (4 if elem == 4 else 0.5 if g else 0))
+        copy += prepared_copy_nbytes(bool(g), dtype, e, n, k, g or 0)
     return stored, copy
