@@ -9,6 +9,8 @@ tensor headers only (no tensor data is read).
   tensor runs as W8 with fp32 scales per 16, more than its 6.6 bits on disk), so the sum is what the engine
   will hold, not the file size.
 * Both add the model's buffers (the fp32 rotary table), which the engine holds on the GPU too.
+* MoE experts moved to host memory (``--cpu-experts``) get a CPU copy there too (``kernels/moe_cpu.py``), counted
+  per layer by the kernel's own rule on the stacks the engine would build (``FusedMoE.cpu_copy_nbytes``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightinfer.engine.moe_placement import expert_bytes_by_layer
+from lightinfer.engine.moe_placement import expert_bytes_by_layer, expert_copy_bytes_by_layer
 from lightinfer.formats.scheme import LINEAR_FORMATS_KEY
 from lightinfer.loader import Checkpoint
 from lightinfer.models.registry import get_model_class
@@ -47,6 +49,9 @@ class WeightPlan:
         parts: bytes by part (:data:`~lightinfer.models.sizes.PARTS` plus the rotary table).
         tied: the LM head shares the input embedding (which then stays on the GPU).
         expert_bytes: bytes of each MoE layer's experts, in layer order (empty for a dense model).
+        expert_copy_bytes: bytes of the CPU copy each MoE layer's experts get in host memory when they compute
+            there (``--cpu-experts``), in layer order (for W4 experts with 16-bit activations about their own size;
+            0 for dense 16-bit ones).
         w4: dense linears run through the 4-bit GEMM (its dequant slabs add to the activation peak).
         file_bytes: the checkpoint's tensor bytes as its headers give them (None: computed, no file).
     """
@@ -57,6 +62,7 @@ class WeightPlan:
     expert_bytes: list[int] = field(default_factory=list)
     w4: bool = False
     file_bytes: int | None = None
+    expert_copy_bytes: list[int] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -74,6 +80,12 @@ def _buffer_bytes(model: torch.nn.Module) -> int:
 def _meta_model(hf_config: object, quant_config: dict | None, dtype: torch.dtype) -> torch.nn.Module:
     with torch.device("meta"):
         return get_model_class(hf_config)(hf_config, quant_config, dtype)
+
+
+def _expert_copies(model: torch.nn.Module) -> list[int]:
+    """The CPU copy of each MoE layer's experts (``expert_copy_bytes_by_layer``), in layer order."""
+    by_layer = expert_copy_bytes_by_layer(model)
+    return [by_layer[i] for i in sorted(by_layer)]
 
 
 def parts_of_model(model: torch.nn.Module) -> dict[str, int]:
@@ -110,7 +122,10 @@ def w4_plan(hf_config: object, dtype: torch.dtype) -> WeightPlan:
     parts[BUFFERS] = _buffer_bytes(_meta_model(hf_config, None, dtype))
     moe_layers = cls.moe_layer_ids(hf_config)
     experts = [parts["experts"] // len(moe_layers)] * len(moe_layers) if moe_layers else []
-    return WeightPlan(f"W4 g{group}", parts, bool(getattr(hf_config, "tie_word_embeddings", False)), experts, True)
+    # the CPU copies from the W4 model on the meta device (nothing allocated): the stacks the engine builds
+    copies = _expert_copies(_meta_model(hf_config, dummy_awq_config(hf_config), dtype)) if moe_layers else []
+    return WeightPlan(f"W4 g{group}", parts, bool(getattr(hf_config, "tie_word_embeddings", False)), experts, True,
+                      expert_copy_bytes=copies)
 
 
 def _gguf_label(checkpoint: Checkpoint) -> str:
@@ -164,7 +179,8 @@ def checkpoint_plan(checkpoint: Checkpoint, dtype: torch.dtype) -> WeightPlan:
     formats = (qc or {}).get(LINEAR_FORMATS_KEY) or {}
     w4 = any(f.kind == "w4" for f in formats.values())
     by_layer = expert_bytes_by_layer(model)
-    return WeightPlan(label, parts, tied, [by_layer[i] for i in sorted(by_layer)], w4, file_bytes)
+    return WeightPlan(label, parts, tied, [by_layer[i] for i in sorted(by_layer)], w4, file_bytes,
+                      _expert_copies(model))
 
 
 def _gguf_tables(checkpoint: Checkpoint, dtype: torch.dtype, tied: bool, parts: dict[str, int]) -> dict[str, int]:
@@ -203,7 +219,9 @@ def _config_only_plan(hf_config: object, qc: dict | None, dtype: torch.dtype) ->
     parts[BUFFERS] = _buffer_bytes(_meta_model(hf_config, None, dtype))
     moe_layers = cls.moe_layer_ids(hf_config)
     experts = [parts["experts"] // len(moe_layers)] * len(moe_layers) if moe_layers else []
+    copies = _expert_copies(_meta_model(hf_config, qc, dtype)) if moe_layers else []
     config_dtype = str(getattr(hf_config, "dtype", None) or hf_config.to_dict().get("torch_dtype") or "16-bit")
     label = (f"{qc.get('quant_method')} {bits}-bit g{group} (config only)" if qc
              else f"{config_dtype.replace('torch.', '')} (config only)")
-    return WeightPlan(label, parts, bool(getattr(hf_config, "tie_word_embeddings", False)), experts, bits == 4)
+    return WeightPlan(label, parts, bool(getattr(hf_config, "tie_word_embeddings", False)), experts, bits == 4,
+                      expert_copy_bytes=copies)

@@ -46,6 +46,14 @@ def expert_bytes_by_layer(model: nn.Module) -> dict[int, int]:
             for m in model.modules() if isinstance(m, FusedMoE)}
 
 
+def expert_copy_bytes_by_layer(model: nn.Module) -> dict[int, int]:
+    """Bytes of the CPU copy each MoE layer's experts get once they compute on the CPU (``--cpu-experts``:
+    :func:`prepare_host_experts`; int4 codes and scale/offset pairs for W4 experts with 16-bit activations,
+    none for dense 16-bit ones: ``FusedMoE.cpu_copy_nbytes``), by decoder layer index. Arithmetic on the
+    stacks' shapes: a meta-device model works."""
+    return {m.layer_idx: m.cpu_copy_nbytes() for m in model.modules() if isinstance(m, FusedMoE)}
+
+
 def prepare_host_experts(model: nn.Module) -> list[int]:
     """Prepare the host-resident experts for the CPU GEMMs once (``kernels/moe_cpu.py``); returns their layers."""
     layers = []
