@@ -79,6 +79,15 @@ def _kernel_group(group_size: int, k: int) -> int | None:
     return next((g for g in INT4_GROUP_SIZES if group_size % g == 0 and k % g == 0), None)
 
 
+def lowbit_takes(bits: int, out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether :func:`prepare_w4` (``bits`` 4) / :func:`prepare_w8` (``bits`` 8) take an ``[N, K]`` weight with
+    groups of ``group_size`` along K (module docstring: the int4 op in this torch, N a multiple of 16 for W4 and
+    of 8 for W8, a kernel group dividing G); where not, the layer keeps its dense fallback. The one rule the
+    prepare functions and the engine's memory estimates (``layers/quant_embed.py``) follow."""
+    return (int4_gemm_available() and out_features % (16 if bits == 4 else 8) == 0
+            and _kernel_group(group_size, in_features) is not None)
+
+
 def _pack_rows(rows: int, codes_of: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
     """torch's packed layout of ``rows`` rows whose int32 codes (0..15) ``codes_of(start, end)`` gives, made
     in chunks of rows: the packer takes one int32 per code, and small chunks keep those temporaries in cache."""
@@ -115,9 +124,9 @@ def prepare_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     torch, ``N`` not a multiple of 16, or no kernel group dividing ``G``)."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     group_size = k // scales.shape[0]
-    kernel_group = _kernel_group(group_size, k)
-    if not int4_gemm_available() or qweight.device.type != "cpu" or n % 16 or kernel_group is None:
+    if qweight.device.type != "cpu" or not lowbit_takes(4, n, k, group_size):
         return None
+    kernel_group = _kernel_group(group_size, k)
     s = scales.to(torch.float32)
     offsets = (8.0 - zeros.to(torch.float32)) * s
     return CpuQuantWeight(n, k, _pack_rows(n, lambda a, b: _w4_codes(qweight, a, b)),
@@ -133,9 +142,9 @@ def prepare_w8(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
     (no such op, ``N`` not a multiple of 8, or no kernel group dividing ``G``, e.g. Q6_K's 16)."""
     n, k = qweight.shape
     group_size = k // scales.shape[0]
-    kernel_group = _kernel_group(group_size, k)
-    if not int4_gemm_available() or qweight.device.type != "cpu" or n % 8 or kernel_group is None:
+    if qweight.device.type != "cpu" or not lowbit_takes(8, n, k, group_size):
         return None
+    kernel_group = _kernel_group(group_size, k)
     s = scales.to(torch.float32)
     z = torch.zeros_like(s) if zeros is None else zeros.to(torch.float32)
     # hi half: (hi_code - 8) * 16 s, offset 0; lo half: (lo_code - 8) * s + (8 - z) * s

@@ -21,6 +21,7 @@ from torch import nn
 
 from lightinfer.layers.embed_head import VocabEmbedding
 from lightinfer.layers.linear import linear_nbytes
+from lightinfer.layers.quant_embed import table_cpu_copy_nbytes
 from lightinfer.layers.rotary import RotaryEmbedding
 from lightinfer.models.awq_tables import AwqTable
 from lightinfer.models.config_check import check_decoder_sizes
@@ -99,7 +100,8 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
 
         Returns:
             ``(weights, cpu_dense)``: the model's parameters and buffers, and the dense copies a CPU engine
-            keeps of its quantized linears.
+            keeps of its quantized linears and of a GGUF file's quantized embedding / head tables
+            (``layers.quant_embed.table_cpu_copy_nbytes``: a W8 table an embedding reads keeps 16-bit rows).
         """
         elem = torch.empty(0, dtype=dtype).element_size()
         c = hf_config
@@ -113,6 +115,7 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
         hidden, vocab = int(c.hidden_size), int(c.vocab_size)
         tied = bool(getattr(c, "tie_word_embeddings", False))
         weights += vocab * hidden * elem * (1 if tied else 2) + (2 * int(c.num_hidden_layers) + 1) * hidden * elem
+        dense += table_cpu_copy_nbytes(quant_config, vocab, hidden, tied, dtype)
         head_dim = getattr(c, "head_dim", None) or hidden // int(c.num_attention_heads)
         positions = int(getattr(c, "max_position_embeddings", 0) or 0)
         weights += 2 * positions * (int(head_dim) // 2) * 4  # cos and sin, fp32

@@ -12,7 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightinfer.formats.scheme import LINEAR_FORMATS_KEY
 from lightinfer.kernels import dequantize_w4
+from lightinfer.kernels.cpu_lowbit import lowbit_takes
+from lightinfer.layers.cpu_gemm import use_cpu_lowbit
 from lightinfer.layers.linear import W4A16Linear
 from lightinfer.layers.w8_linear import W8A16Linear
 
@@ -84,3 +87,38 @@ class QuantizedLMHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = self.table(hidden)
         return (out.reduced() if hasattr(out, "reduced") else out).float()
+
+
+def table_cpu_copy_nbytes(quant_config: dict | None, vocab_size: int, hidden_size: int, tied: bool,
+                          dtype: torch.dtype) -> int:
+    """Bytes of the dense copies a CPU engine with activations in ``dtype`` keeps of the quantized embedding / LM
+    head tables (what ``engine.model_runner.dequantized_linear_bytes`` counts of them), by arithmetic: nothing
+    is built.
+
+    The tables are a GGUF file's quantized ``token_embd`` / ``output`` (the loader swaps them in: they are named
+    ``model.embed_tokens`` / ``lm_head`` in ``quant_config``'s per-module map; a tied head shares the embedding's
+    table). ``pack_for_cpu`` (``W4A16Linear`` / ``W8A16Linear``) then keeps, per table of ``vocab_size x
+    hidden_size`` weights:
+
+    * a dequantized copy in ``dtype`` where it does not stay low-bit (fp32 activations, the ``cpu_lowbit``
+      switch off, or a shape torch's int4 GEMM cannot take: ``kernels.cpu_lowbit.lowbit_takes``);
+    * else, for a W8 table an embedding reads, its rows as a 16-bit copy (the int8 codes are released);
+    * else nothing (a W4 table keeps its codes beside the low-bit form; those are stored bytes, not a copy).
+
+    Returns:
+        bytes (0 for a model whose tables are dense).
+    """
+    formats = (quant_config or {}).get(LINEAR_FORMATS_KEY) or {}
+    if str((quant_config or {}).get("quant_method", "")).lower() != "gguf":
+        return 0  # only the GGUF loader builds quantized tables
+    elem = torch.empty(0, dtype=dtype).element_size()
+    total = 0
+    for name, rows_read in (("model.embed_tokens", True), ("lm_head", False)):
+        fmt = formats.get(name)
+        if fmt is None or fmt.kind == "dense" or (name == "lm_head" and tied):
+            continue
+        lowbit = use_cpu_lowbit(dtype) and lowbit_takes(4 if fmt.kind == "w4" else 8, vocab_size, hidden_size,
+                                                        fmt.group_size)
+        if not lowbit or (fmt.kind == "w8" and rows_read):
+            total += vocab_size * hidden_size * elem
+    return total

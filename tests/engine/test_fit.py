@@ -36,7 +36,7 @@ def _runtime_weight_bytes(model: str) -> int:
     return llm.llm_engine.model_info()["weight_bytes"]
 
 
-def test_smollm2_gguf_fits_8gib_and_its_weights_are_what_the_engine_holds() -> None:
+def test_smollm2_gguf_fits_8gib_and_its_weights_are_what_the_engine_holds(smollm2_lowbit_llm) -> None:
     report = fit(SMOLLM2, vram="8GiB")
     assert [r.variant for r in report.rows] == ["W4 + INT8 KV", "W4 + fp16 KV", "as is + fp16 KV"]
     assert all(r.fits and not r.flags and r.sequences >= 20 for r in report.rows)
@@ -49,6 +49,14 @@ def test_smollm2_gguf_fits_8gib_and_its_weights_are_what_the_engine_holds() -> N
     engine = _runtime_weight_bytes(SMOLLM2)
     assert plan.total - plan.parts[BUFFERS] == pytest.approx(engine, rel=0.02)
     assert plan.tied and plan.host_bytes(True) == 0  # a tied embedding stays on the GPU
+    # A CPU engine with bf16 activations: the copies it keeps for its GEMMs are what the CPU memory check's
+    # estimate predicts, the tied Q8_0 table's 16-bit rows (which the embedding reads) included.
+    engine = smollm2_lowbit_llm.llm_engine
+    assert engine.model_runner.dtype == torch.bfloat16
+    hf, qc = engine.checkpoint.hf_config, engine.checkpoint.quant_config
+    _, cpu_dense = get_model_class(hf).estimate_weight_bytes(hf, qc, torch.bfloat16)
+    table_rows = hf.vocab_size * hf.hidden_size * 2
+    assert engine.model_info()["cpu_dense_bytes"] == cpu_dense >= table_rows
 
 
 def test_gptq_checkpoint_as_is_matches_the_built_engine() -> None:
