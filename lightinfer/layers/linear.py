@@ -21,6 +21,7 @@ from lightinfer.kernels import (
     repack_awq_to_runtime,
     zeros_are_integers,
 )
+from lightinfer.kernels.cpu_lowbit import lowbit_takes
 from lightinfer.layers.cpu_gemm import PackedWeight, can_pack, use_cpu_lowbit
 from lightinfer.layers.ops import backend_name, ops_for, uses_triton
 from lightinfer.layers.w8_linear import W8A16Linear, check_runtime_tensors, inverse_permutation
@@ -274,7 +275,8 @@ def linear_nbytes(
     Returns:
         ``(stored, cpu_dense)``: the layer's parameters and buffers; and for a W4/W8 layer the dense copy of
         its weight that a CPU engine keeps for the fp32 GEMM (``pack_for_cpu``), else 0 (also 0 where the layer
-        stays low-bit on a CPU, ``use_cpu_lowbit(dtype)``: its prepared form replaces the run-time tensors).
+        stays low-bit on a CPU, ``use_cpu_lowbit(dtype)`` and a shape the int4 GEMM takes: its prepared form
+        replaces the run-time tensors).
     """
     from lightinfer.formats.scheme import linear_format
 
@@ -288,4 +290,8 @@ def linear_nbytes(
         stored = out_features * in_features // 2 + 2 * groups * out_features * elem
     else:  # int8 codes [N, K]; fp32 scales (and zeros unless symmetric) [K/G, N]
         stored = out_features * in_features + (1 if fmt.symmetric else 2) * groups * out_features * 4
-    return stored + bias_bytes, 0 if use_cpu_lowbit(dtype) else in_features * out_features * elem
+    # Low-bit on a CPU only where torch's int4 GEMM takes the shape (kernels/cpu_lowbit.lowbit_takes: e.g. not
+    # the groups of 16 of a Q4_K_M file's Q6_K layers); elsewhere the layer keeps a dense copy.
+    lowbit = use_cpu_lowbit(dtype) and lowbit_takes(4 if fmt.kind == "w4" else 8, out_features, in_features,
+                                                    fmt.runtime_group_size(in_features))
+    return stored + bias_bytes, 0 if lowbit else in_features * out_features * elem
