@@ -3,6 +3,11 @@
 # torch, triton, transformers; no gradio/gguf; nothing downloadable). Results go under $OUT
 # (default bench/results/gpu/). Stages, each under the 600 s a device call allows:
 #   bash bench/gpu_checks.sh tests    # tests/gpu (engine + kernels), ~3 min; runs them all (no -x)
+#                                     # + tests/gpu/test_new_kernels_gpu.py (W8A16 GEMM; sliding-window and
+#                                     # soft-capped attention; 83 tests) and test_engine_gpu.py's Gemma 2 test:
+#                                     # an estimate, not measured yet, of 3-5 min more (most of it Triton
+#                                     # compiling ~80 kernel variants), so ~6-8 min; the `first` stage's
+#                                     # 240 s cap on the tests will now stop them before the end
 #   bash bench/gpu_checks.sh e2e      # Llama-2-7B shape, W4 + INT8 KV vs transformers fp16, ~8 min
 #   bash bench/gpu_checks.sh memory MODEL  # the memory table measured by the engine for one model
 #                                     # (llama-3-8b or llama-2-7b: 12 engine starts, ~5 min each)
