@@ -6,8 +6,8 @@
 #                                     # + tests/gpu/test_new_kernels_gpu.py (W8A16 GEMM; sliding-window and
 #                                     # soft-capped attention; 83 tests) and test_engine_gpu.py's Gemma 2 test:
 #                                     # an estimate, not measured yet, of 3-5 min more (most of it Triton
-#                                     # compiling ~80 kernel variants), so ~6-8 min; the `first` stage's
-#                                     # 240 s cap on the tests will now stop them before the end
+#                                     # compiling ~80 kernel variants), so ~6-8 min; `first` leaves the new
+#                                     # kernels' file to the `newkernels` stage (its 240 s cap would cut it)
 #   bash bench/gpu_checks.sh e2e      # Llama-2-7B shape, W4 + INT8 KV vs transformers fp16, ~8 min
 #   bash bench/gpu_checks.sh memory MODEL  # the memory table measured by the engine for one model
 #                                     # (llama-3-8b or llama-2-7b: 12 engine starts, ~5 min each)
@@ -23,6 +23,7 @@
 #                                     # bring the model (see bench/gpu_assets.py), ~1 min
 #   bash bench/gpu_checks.sh moe      # MoE (issue 18): tests/gpu/test_moe_gpu.py, then bench/moe.py --quick (fused
 #                                     # kernel vs per-expert loop vs dense W4 of the same active size), ~4 min
+#   bash bench/gpu_checks.sh newkernels  # tests/gpu/test_new_kernels_gpu.py alone (W8A16, window + softcap attention)
 #   bash bench/gpu_checks.sh first    # tests, then tune with what is left of 540 s (one machine start for both:
 #                                     # each start costs 1-2 minutes of a session's 15); extra arguments go to tune
 set -uo pipefail
@@ -49,14 +50,18 @@ case "${1:-tests}" in
     $PY bench/tune_w4a16.py --copy-to "$OUT" "${@:2}" 2>&1 | tee "$OUT/tune_w4a16.log" | tail -30 ;;
   first)
     start=$SECONDS
-    timeout 240 $PY -m pytest -q -rA tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+    # the new-kernel tests (3-5 min of compiles, estimated) have a stage of their own: `newkernels`
+    timeout 240 $PY -m pytest -q -rA tests/gpu --ignore=tests/gpu/test_new_kernels_gpu.py 2>&1 \
+      | tee "$OUT/gpu_tests.log" | tail -15
     $PY bench/tune_w4a16.py --copy-to "$OUT" --budget-s $((540 - (SECONDS - start) - 90)) "${@:2}" 2>&1 \
       | tee "$OUT/tune_w4a16.log" | tail -15 ;;
   smollm2)
     $PY bench/gpu_assets.py join && $PY -m pytest -q -s tests/gpu/test_engine_gpu.py -k smollm2 2>&1 \
       | tee "$OUT/smollm2_gpu_vs_cpu.log" | tail -20 ;;
+  newkernels)
+    timeout 540 $PY -m pytest -q -rA tests/gpu/test_new_kernels_gpu.py 2>&1 | tee "$OUT/new_kernels_gpu.log" | tail -20 ;;
   moe)
     timeout 240 $PY -m pytest -q -rA tests/gpu/test_moe_gpu.py 2>&1 | tee "$OUT/moe_gpu_tests.log" | tail -15
     timeout 300 $PY bench/moe.py --quick --out "$OUT/moe_gpu.json" 2>&1 | tee "$OUT/moe_gpu.log" | tail -20 ;;
-  *) echo "unknown stage $1 (tests | tune | kernels | e2e | memory | smollm2 | moe | first)"; exit 2 ;;
+  *) echo "unknown stage $1 (tests | newkernels | tune | kernels | e2e | memory | smollm2 | moe | first)"; exit 2 ;;
 esac
