@@ -79,7 +79,9 @@ class ExpertWeights:
         return [t for t in (self.weight, self.qweight, self.scales, self.zeros) if t is not None]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        """Bytes the stored tensors hold in memory; a tensor on the ``meta`` device (a stack a CPU engine released
+        once its prepared copy replaced it, ``FusedMoE.pack_for_cpu``) holds none and counts 0."""
+        return sum(t.numel() * t.element_size() for t in self.tensors() if t.device.type != "meta")
 
     def dense(self, expert: int) -> torch.Tensor:
         """Expert ``expert``'s weight ``[N, K]`` (dequantized for W4), in :attr:`dtype`."""

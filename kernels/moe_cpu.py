@@ -18,6 +18,9 @@ The weights are prepared once per layer (:func:`prepare_experts`, kept in ``Expe
   the host-resident experts of a GPU engine (``--cpu-experts``), where a 30B model's experts must stay 4-bit.
   torch's kernel takes N a multiple of 16; other shapes fall back to ``dense``.
 
+Every form of a W4 stack is a copy of it: once a layer is prepared for good (``FusedMoE.pack_for_cpu``) the layer
+releases the W4 stack (meta tensors), and :func:`added_copy_nbytes` counts what the copy adds beyond it.
+
 Measured on this shared 2-core machine (noisy; 768 x 2048, g128, one thread, best of 30): the int4 GEMM
 with bf16 activations 41 / 73 / 284 us at 1 / 4 / 16 rows against 70 / 242 / 601 us for an fp32 dense
 ``F.linear``; with fp32 activations torch's int4 kernel takes a slow path (2.3 ms at one row), hence
@@ -136,10 +139,43 @@ def prepared_copy_nbytes(is_quantized: bool, dtype: torch.dtype, num_experts: in
     return e * n * k * elem if is_quantized else 0
 
 
+def w4_stack_nbytes(dtype: torch.dtype, num_experts: int, out_features: int, in_features: int,
+                    group_size: int) -> int:
+    """Bytes of a W4 stack in the run-time layout (``moe.ExpertWeights``): int32 codes ``[E, N, K // 8]`` (half a
+    byte per weight) and scales and zeros ``[E, K // G, N]`` in ``dtype``."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    e, n, k = num_experts, out_features, in_features
+    return e * (n * k // 2 + 2 * (k // group_size) * n * elem)
+
+
+def added_copy_nbytes(is_quantized: bool, dtype: torch.dtype, num_experts: int, out_features: int,
+                      in_features: int, group_size: int) -> int:
+    """Bytes the CPU preparation adds to a stack's memory: :func:`prepared_copy_nbytes` less the W4 stack it
+    releases (``FusedMoE.pack_for_cpu`` puts a W4 stack on the meta device once every kind's copy replaces it:
+    int4, prepacked fp32 and a dequantized dense copy alike; a dense stack is kept, its copy counted whole).
+
+    So ``int4``: 0 (the same sizes in another layout); ``onednn``: 4 bytes per weight, less the W4 stack;
+    ``dense`` from W4: the dequantized ``[E, N, K]`` in ``dtype``, less the W4 stack; dense 16-bit experts: 0.
+    Never negative for the group sizes a W4 stack takes (G >= 8)."""
+    copy = prepared_copy_nbytes(is_quantized, dtype, num_experts, out_features, in_features, group_size)
+    if not is_quantized:
+        return copy
+    return copy - w4_stack_nbytes(dtype, num_experts, out_features, in_features, group_size)
+
+
 @torch.no_grad()
 def prepare_experts(w: ExpertWeights, dtype: torch.dtype, kind: str | None = None) -> CpuExperts:
     """``w`` (on the CPU) in the form :func:`fused_moe` computes with for activations of ``dtype``
-    (``kind`` None: :func:`choose_kind`). Made expert by expert: the peak is one expert's temporaries."""
+    (``kind`` None: :func:`choose_kind`). Made expert by expert: the peak is one expert's temporaries.
+
+    Raises:
+        RuntimeError: ``w``'s tensors are on the meta device (stacks released after an earlier preparation,
+            ``FusedMoE.pack_for_cpu``): there is nothing to prepare from, and meta ops would "compute" silently.
+    """
+    if w.device.type == "meta":
+        raise RuntimeError("prepare_experts: the expert stacks are on the meta device (released once their CPU "
+                           "copy was made for another dtype, or never loaded); nothing to prepare from. Reload "
+                           "the model for activations of this dtype")
     kind = kind or choose_kind(w, dtype)
     if kind == "onednn":
         return CpuExperts("onednn", dtype, packed=[

@@ -99,8 +99,9 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
         biases and per-head norms are left out (well under 1%).
 
         Returns:
-            ``(weights, cpu_dense)``: the model's parameters and buffers, and the dense copies a CPU engine
-            keeps of its quantized linears and of a GGUF file's quantized embedding / head tables
+            ``(weights, cpu_dense)``: the model's parameters and buffers, and what a CPU engine's GEMM forms
+            add to them (``weights + cpu_dense`` is what it holds): the dense copies it keeps of its quantized
+            linears and of a GGUF file's quantized embedding / head tables
             (``layers.quant_embed.table_cpu_copy_nbytes``: a W8 table an embedding reads keeps 16-bit rows).
         """
         elem = torch.empty(0, dtype=dtype).element_size()

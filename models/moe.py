@@ -119,9 +119,10 @@ class MoeCausalLMMixin:
         or dense, like ``make_experts``), router and shared expert. Nothing is built.
 
         Returns:
-            ``(weights, cpu_dense)``; ``cpu_dense`` adds the CPU copy of the experts (``kernels/moe_cpu.py``):
-            fp32 engines a prepacked fp32 one, 16-bit engines a 4-bit one for torch's int4 GEMM, none for
-            16-bit dense experts.
+            ``(weights, cpu_dense)``; ``cpu_dense`` adds what the CPU copy of the experts
+            (``kernels/moe_cpu.py``) adds beyond the W4 stacks it replaces and releases
+            (``layers.moe.experts_nbytes``): fp32 engines a prepacked fp32 copy less the W4 stacks; 16-bit
+            engines 0 (a 4-bit copy for torch's int4 GEMM, the stacks' size); none for 16-bit dense experts.
         """
         spec, c = cls.moe_spec, hf_config
         weights, dense = super().estimate_weight_bytes(hf_config, quant_config, dtype)  # type: ignore[misc]

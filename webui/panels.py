@@ -29,8 +29,9 @@ def weights_note(info: dict[str, Any]) -> str:
                 "a quantized embedding table's rows kept in 16 bits for the lookup (the layers stay 4-/8-bit)")
         parts.append(f"of it, {cpu_copy / MIB:,.1f} MiB are {what}")
     if experts:
-        parts.append(f"{experts / MIB:,.1f} MiB are the MoE experts' copies prepared for the CPU GEMMs "
-                     f"(beside their stacked weights)")
+        # cpu_expert_bytes: what the experts' CPU copies add beyond the 4-bit stacks they replace (0 for int4)
+        parts.append(f"{experts / MIB:,.1f} MiB are what the MoE experts' copies prepared for the CPU GEMMs add "
+                     f"(beyond the 4-bit stacks they replace)")
     return "; ".join(parts)
 
 

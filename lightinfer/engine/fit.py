@@ -55,7 +55,8 @@ class FitRow:
         vram_bytes: the card's memory; budget_bytes: what the engine may use (x gpu_memory_utilization).
         variant: "W4 + INT8 KV", "W4 + fp16 KV" or "as is + <kv> KV"; weights: what the weights are.
         weight_bytes: weights on the GPU; host_bytes: weights in host memory (embedding, --cpu-experts: the
-            moved experts and the CPU copy the engine makes of them for its CPU GEMMs).
+            moved experts, plus what the CPU copy the engine makes of them for its CPU GEMMs adds beyond the W4
+            stacks it releases: 0 for W4 experts with 16-bit activations).
         activation_bytes, graph_bytes, non_torch_bytes: the other fixed costs (estimates).
         kv_cache_dtype: "int8", "fp16" or "bf16"; kv_bytes_per_token: over all layers.
         fits: one max_model_len sequence fits with ``flags``; flags: engine flags it needs ("" for none).
@@ -186,11 +187,12 @@ def _plan(weights: WeightPlan, kv_dtype: torch.dtype, vram: int, ctx: dict) -> F
                         f"{len(weights.expert_bytes)})")
         else:
             moved = sum(weights.expert_bytes[:n])
-            copies = sum(weights.expert_copy_bytes[:n])  # made in host memory beside them (kernels/moe_cpu.py)
+            # what their CPU copy (kernels/moe_cpu.py) adds beyond the W4 stacks it replaces (0 for int4)
+            copies = sum(weights.expert_copy_bytes[:n])
             blocks, _ = pool(gpu - moved, 0)
             row.weight_bytes, row.host_bytes, row.graph_bytes = gpu - moved, host + moved + copies, 0
             row.fits, row.flags = blocks >= need, (f"--cpu-experts {n}" if n else "--enforce-eager")
-            copy_note = f" with their CPU GEMMs' copy ({copies / GIB:.2f} GiB)" if copies else ""
+            copy_note = f" with what their CPU GEMMs' copy adds ({copies / GIB:.2f} GiB)" if copies else ""
             row.note = (f"the experts of the first {n} of {len(weights.expert_bytes)} MoE layers in host memory"
                         f"{copy_note}, computed on the CPU (no CUDA graphs)" if n
                         else "fits without the CUDA graphs' reserve")

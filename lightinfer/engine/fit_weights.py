@@ -9,8 +9,9 @@ tensor headers only (no tensor data is read).
   tensor runs as W8 with fp32 scales per 16, more than its 6.6 bits on disk), so the sum is what the engine
   will hold, not the file size.
 * Both add the model's buffers (the fp32 rotary table), which the engine holds on the GPU too.
-* MoE experts moved to host memory (``--cpu-experts``) get a CPU copy there too (``kernels/moe_cpu.py``), counted
-  per layer by the kernel's own rule on the stacks the engine would build (``FusedMoE.cpu_copy_nbytes``).
+* MoE experts moved to host memory (``--cpu-experts``) get a CPU copy there (``kernels/moe_cpu.py``) that replaces
+  their W4 stacks (released); what it adds beyond them is counted per layer by the kernel's own rule on the
+  stacks the engine would build (``FusedMoE.cpu_copy_nbytes``): 0 for the int4 copy of W4 experts.
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ class WeightPlan:
         parts: bytes by part (:data:`~lightinfer.models.sizes.PARTS` plus the rotary table).
         tied: the LM head shares the input embedding (which then stays on the GPU).
         expert_bytes: bytes of each MoE layer's experts, in layer order (empty for a dense model).
-        expert_copy_bytes: bytes of the CPU copy each MoE layer's experts get in host memory when they compute
-            there (``--cpu-experts``), in layer order (for W4 experts with 16-bit activations about their own size;
-            0 for dense 16-bit ones).
+        expert_copy_bytes: bytes the CPU copy each MoE layer's experts get in host memory when they compute there
+            (``--cpu-experts``) adds beyond the W4 stacks it releases, in layer order (0 for W4 experts with
+            16-bit activations, whose int4 copy has the stacks' size, and for dense 16-bit ones).
         w4: dense linears run through the 4-bit GEMM (its dequant slabs add to the activation peak).
         file_bytes: the checkpoint's tensor bytes as its headers give them (None: computed, no file).
     """

@@ -405,9 +405,11 @@ class LLMEngine:
             "weights": describe_formats(self.model_runner.weight_formats),
             "kv_cache_dtype": "int8" if spec.is_int8 else str(spec.dtype).replace("torch.", ""),
             "weight_bytes": self.model_runner.weight_bytes,
-            # what the weight files take on disk (0 for dummy weights); of weight_bytes, the copies the CPU path
-            # keeps for its GEMMs (the quantized linears dequantized for the fp32 GEMM, a quantized table's
-            # 16-bit rows, the MoE experts' prepared copies), and of those the experts' part
+            # what the weight files take on disk (0 for dummy weights); of weight_bytes, what the CPU path's GEMM
+            # forms add (the quantized linears dequantized for the fp32 GEMM, a quantized table's 16-bit rows, the
+            # MoE experts' prepared copies), and of those the experts' part: their copies' bytes less the W4
+            # stacks the copies replace and release (FusedMoE.pack_for_cpu), so 0 for int4 copies of W4 experts
+            # with 16-bit activations, 4 bytes a weight less the stack for the fp32 engine's prepacked copy
             "checkpoint_bytes": 0 if self.config.load_format == "dummy" else self.checkpoint.source_bytes,
             "cpu_dense_bytes": self.model_runner.cpu_dense_bytes,
             "cpu_expert_bytes": self.model_runner.cpu_expert_bytes,

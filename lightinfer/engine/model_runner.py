@@ -112,12 +112,14 @@ class ModelRunner:
                 self.model.pack_for_cpu()
         elif self.device.type != "cpu":
             prepare_host_experts(self.model)  # --cpu-experts: their CPU GEMM form, once
-        # What the weights hold, prepared forms included; of it, the copies the CPU path keeps for its GEMMs (the
-        # part estimate_weight_bytes predicts as cpu_dense).
+        # What the weights hold, prepared forms included (released expert stacks, meta tensors, count 0); of it,
+        # what the CPU path's GEMM forms add (the part estimate_weight_bytes predicts as cpu_dense): the MoE
+        # experts' part is their prepared copies less the W4 stacks those released (0 for int4 copies).
         self.weight_bytes, self.host_weight_bytes = resident_weight_bytes(self.model, self.device)
-        self.cpu_expert_bytes = sum(m.prepared_nbytes() for m in self.model.modules() if isinstance(m, FusedMoE))
+        self.cpu_expert_bytes = sum(m.cpu_added_nbytes() for m in self.model.modules() if isinstance(m, FusedMoE))
         self.cpu_dense_bytes = dequantized_linear_bytes(self.model) + self.cpu_expert_bytes
-        # The card advice compares run-time layouts: the experts' CPU copies (host memory on a GPU engine) left out.
+        # The card advice compares run-time layouts: what the experts' CPU copies add (host memory on a GPU engine)
+        # left out, which puts the released stacks back at their run-time size.
         device_copies = self.cpu_expert_bytes if self.device.type == "cpu" else 0
         moe_report = moe_startup_report(self.model, self.weight_bytes - device_copies,
                                         self.host_weight_bytes - (self.cpu_expert_bytes - device_copies),
@@ -140,7 +142,8 @@ class ModelRunner:
         nothing is built, so a corrupt config with a million layers is refused at once)."""
         # With fp32 activations (the exact path) a 4-/8-bit layer is dequantized once for the CPU GEMM; with
         # 16-bit ones it stays low-bit, its prepared form about the size of the run-time tensors it replaces.
-        # MoE experts get a CPU copy either way (kernels/moe_cpu.py).
+        # MoE experts get a CPU copy either way (kernels/moe_cpu.py), which replaces and releases their W4 stacks:
+        # counted by what it adds beyond them (0 for the int4 copy).
         weights, dense = model_cls.estimate_weight_bytes(checkpoint.hf_config, checkpoint.quant_config, self.dtype)
         kv = self.config.kv_cache_memory_bytes or (0 if self.config.num_kv_blocks else CPU_DEFAULT_KV_CACHE_BYTES)
         dtype = str(self.dtype).replace("torch.", "")
@@ -400,9 +403,11 @@ def resident_weight_bytes(model: torch.nn.Module, device: torch.device) -> tuple
     """``(bytes on device, bytes in host memory)`` the loaded model's weights really hold: its tensors, each
     storage once (a tied head counts once), plus the forms prepared for the CPU GEMM that replace or join
     them (``pack_for_cpu``: a low-bit layer's ``_lowbit``, a dense prepacked ``_packed``, a dequantized
-    ``_dense``; a MoE layer's expert copies, ``FusedMoE.prepared_nbytes``). On a GPU engine the host part is the
-    input embedding kept on the host and the ``--cpu-experts`` copies."""
-    storages = {t.data_ptr(): t for t in model.state_dict().values()}
+    ``_dense``; a MoE layer's expert copies, ``FusedMoE.prepared_nbytes``). A tensor on the ``meta`` device (a
+    W4 expert stack released once its CPU copy replaced it, ``FusedMoE.pack_for_cpu``) holds nothing and counts
+    0. On a GPU engine the host part is the input embedding kept on the host and the ``--cpu-experts`` experts
+    (their prepared copies)."""
+    storages = {t.data_ptr(): t for t in model.state_dict().values() if t.device.type != "meta"}
     on_device = host = 0
     for t in storages.values():
         if t.device.type == device.type:

@@ -40,22 +40,25 @@ def host_expert_layers(model_cls: type, hf_config: object, cpu_experts: int) -> 
 
 
 def expert_bytes_by_layer(model: nn.Module) -> dict[int, int]:
-    """Bytes of each MoE layer's stacked experts, by decoder layer index."""
+    """Bytes of each MoE layer's stacked experts in the run-time layout, by decoder layer index: by the stacks'
+    shapes, so a meta-device model works and a stack released after the CPU preparation (``FusedMoE.pack_for_cpu``)
+    counts what it would take on a GPU (the card advice's unit), not the nothing it holds now."""
     return {m.layer_idx: sum(t.numel() * t.element_size() for t in m.expert_weights()[0].tensors() +
                              m.expert_weights()[1].tensors())
             for m in model.modules() if isinstance(m, FusedMoE)}
 
 
 def expert_copy_bytes_by_layer(model: nn.Module) -> dict[int, int]:
-    """Bytes of the CPU copy each MoE layer's experts get once they compute on the CPU (``--cpu-experts``:
-    :func:`prepare_host_experts`; int4 codes and scale/offset pairs for W4 experts with 16-bit activations,
-    none for dense 16-bit ones: ``FusedMoE.cpu_copy_nbytes``), by decoder layer index. Arithmetic on the
-    stacks' shapes: a meta-device model works."""
+    """Bytes the CPU copy each MoE layer's experts get once they compute on the CPU (``--cpu-experts``:
+    :func:`prepare_host_experts`) adds beyond the W4 stacks it releases (``FusedMoE.cpu_copy_nbytes``), by
+    decoder layer index: 0 for W4 experts with 16-bit activations (int4 codes and scale/offset pairs, the
+    stacks' size) and for dense 16-bit ones. Arithmetic on the stacks' shapes: a meta-device model works."""
     return {m.layer_idx: m.cpu_copy_nbytes() for m in model.modules() if isinstance(m, FusedMoE)}
 
 
 def prepare_host_experts(model: nn.Module) -> list[int]:
-    """Prepare the host-resident experts for the CPU GEMMs once (``kernels/moe_cpu.py``); returns their layers."""
+    """Prepare the host-resident experts for the CPU GEMMs once (``kernels/moe_cpu.py``; their W4 stacks then
+    released, ``FusedMoE.pack_for_cpu``, so host memory holds them once); returns their layers."""
     layers = []
     for m in model.modules():
         if isinstance(m, FusedMoE) and m.on_host:

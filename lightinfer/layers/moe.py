@@ -17,6 +17,12 @@ One launch of the fused kernel then reaches any expert, and a checkpoint that st
 (:func:`experts_in_host_memory` while the model is built); such a layer copies its hidden states to the host,
 computes its experts with the ``torch_cpu`` backend there and copies the result back, whatever device the
 rest of the model runs on.
+
+Memory: once the experts are prepared for the CPU GEMMs (:meth:`FusedMoE.pack_for_cpu`: a CPU engine, or the
+host layers of a GPU engine) their W4 stacks are released, each buffer replaced by a tensor of the same shape
+and dtype on the ``meta`` device: the prepared copy (``kernels/moe_cpu.py``) is the only one computed from, so
+the experts are held once. Shapes stay (the stacks' sizes and ``check_moe_args`` still work); byte counts of
+what is resident count a meta tensor 0.
 """
 
 from __future__ import annotations
@@ -29,8 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightinfer.kernels import ExpertWeights, get_backend
-from lightinfer.kernels.moe_cpu import prepared_copy_nbytes
-from lightinfer.layers.ops import ops_for
+from lightinfer.kernels.moe_cpu import CpuExperts, added_copy_nbytes
+from lightinfer.layers.ops import backend_name, ops_for
 
 _host_layers: frozenset[int] = frozenset()
 
@@ -125,6 +131,9 @@ class FusedMoE(nn.Module):
                 setattr(self, f"{name}_weight",
                         nn.Parameter(torch.empty(e, n, k, dtype=dtype, device=dev), requires_grad=False))
         self._prepared: tuple[object | None, object | None] = (None, None)  # a backend's own copy (moe_cpu.py)
+        # Where the W4 stacks lived before pack_for_cpu released them to the meta device (None: not released);
+        # the module's device from then on, since the stacks' own device now says meta.
+        self._released_from: torch.device | None = None
 
     def is_quantized(self, stack: str) -> bool:
         """Whether stack ``"w13"`` (gate/up) or ``"w2"`` (down) is W4 (else dense)."""
@@ -160,31 +169,78 @@ class FusedMoE(nn.Module):
         """``(w13, w2)`` as the ops take them (views of this module's tensors)."""
         return self._stack("w13", self._prepared[0]), self._stack("w2", self._prepared[1])
 
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`pack_for_cpu` released the W4 stacks (meta tensors now; the prepared copy computes)."""
+        return self._released_from is not None
+
+    def _refuse_if_released(self, what: str) -> None:
+        if self.released:
+            raise RuntimeError(f"{self.prefix}: cannot {what}: the W4 expert stacks were released after the CPU "
+                               f"preparation (pack_for_cpu; they are meta tensors now, only the prepared copy "
+                               f"holds the weights). Build and load the model again instead")
+
     def weights_changed(self) -> None:
-        """Drop prepared copies (after a load or an in-place change of the stacked tensors)."""
+        """Drop prepared copies (after a load or an in-place change of the stacked tensors).
+
+        Raises:
+            RuntimeError: the stacks were released (:attr:`released`): the prepared copy is then the only copy of
+                the weights, and dropping it would leave nothing to compute from (nor could a load have written
+                into meta tensors).
+        """
+        self._refuse_if_released("change the expert weights")
         self._prepared = (None, None)
 
     def __getstate__(self) -> dict:
-        # copies and pickles leave the prepared CPU copy behind (oneDNN's packed tensors cannot be copied); it is
-        # made again on the first forward
+        """Copies and pickles leave the prepared CPU copy behind (oneDNN's packed tensors cannot be copied); it is
+        made again from the stacks on the first forward.
+
+        Raises:
+            RuntimeError: the stacks were released (:attr:`released`): a copy would hold meta stacks and no
+                prepared copy, i.e. no weights at all, so it is refused rather than failing later.
+        """
+        self._refuse_if_released("copy or pickle the layer")
         return {**self.__dict__, "_prepared": (None, None)}
 
     def pack_for_cpu(self) -> None:
         """Prepare the experts for the CPU GEMMs once (``kernels/moe_cpu.py``), for activations of this layer's
-        dtype; a no-op for experts in GPU memory."""
-        if self.device.type != "cpu":
+        dtype, then release the W4 stacks (module docstring; every CPU form of a W4 stack, int4, prepacked fp32
+        or dequantized dense, is a copy of it): a no-op for experts in GPU memory and when already prepared.
+        Dense stacks are kept (prepared in their own dtype, the copy is the stack itself)."""
+        if self.released or self.device.type != "cpu":
             return
         from lightinfer.kernels.moe_cpu import prepare_experts
 
         w13, w2 = self.expert_weights()
-        self._prepared = (prepare_experts(w13, self.dtype), prepare_experts(w2, self.dtype))
+        self._prepared = tuple(p if isinstance(p, CpuExperts) and p.dtype == self.dtype else prepare_experts(w, self.dtype)
+                               for w, p in ((w13, w13.prepared), (w2, w2.prepared)))
+        if self.quantized:
+            self._released_from = self.device
+            for stack in self.STACKS:
+                if self.is_quantized(stack):
+                    for part in ("qweight", "scales", "zeros"):
+                        name = f"{stack}_{part}"
+                        setattr(self, name, torch.empty_like(getattr(self, name), device="meta"))
+
+    def released_nbytes(self) -> int:
+        """Bytes the W4 stacks released by :meth:`pack_for_cpu` held (by their shapes); 0 when none were."""
+        if not self.released:
+            return 0
+        return sum(t.numel() * t.element_size() for w in self.expert_weights() if w.is_quantized
+                   for t in w.tensors())
+
+    def cpu_added_nbytes(self) -> int:
+        """Bytes the CPU preparation added to this layer's memory: :meth:`prepared_nbytes` less
+        :meth:`released_nbytes` (0 for int4 copies: the same sizes; a dense stack's fp32 copy whole)."""
+        return self.prepared_nbytes() - self.released_nbytes()
 
     def prepared_nbytes(self) -> int:
-        """Bytes of the CPU copies of the stacks (``kernels/moe_cpu.py``: prepacked fp32, int4 or dense) that
-        :meth:`pack_for_cpu` or a first CPU forward made, which this module holds beside its stacked tensors
-        (they are not released: a GPU engine's ``--cpu-experts`` and the Triton path read them); 0 before
-        any. A dense stack prepared in its own dtype is the stack itself, not a copy, and counts 0."""
-        own = {t.untyped_storage().data_ptr() for t in (*self.parameters(recurse=False), *self.buffers(recurse=False))}
+        """Bytes the CPU copies of the stacks (``kernels/moe_cpu.py``: prepacked fp32, int4 or dense) that
+        :meth:`pack_for_cpu` or a first CPU forward made really hold; 0 before any. A dense stack prepared in
+        its own dtype is the stack itself, not a copy, and counts 0. (A first CPU forward without
+        :meth:`pack_for_cpu`, e.g. a test's, keeps the stacks beside its copy.)"""
+        own = {t.untyped_storage().data_ptr() for t in (*self.parameters(recurse=False), *self.buffers(recurse=False))
+               if not t.is_meta}  # a released stack shares nothing
         total = 0
         for p in self._prepared:
             weight = getattr(p, "weight", None)
@@ -194,23 +250,47 @@ class FusedMoE(nn.Module):
         return total
 
     def cpu_copy_nbytes(self) -> int:
-        """Bytes of the CPU copies :meth:`pack_for_cpu` will make for activations of this layer's dtype, by the
-        kernel's rule (``kernels.moe_cpu.prepared_copy_nbytes``) on the stacks' shapes: nothing is prepared,
-        and a meta-device module works. Equals :meth:`prepared_nbytes` once they are made."""
-        return sum(prepared_copy_nbytes(w.is_quantized, self.dtype, w.num_experts, w.out_features, w.in_features,
-                                        w.group_size) for w in self.expert_weights())
+        """Bytes :meth:`pack_for_cpu` will add to this layer's memory for activations of its dtype: the copies'
+        size (``kernels.moe_cpu.prepared_copy_nbytes``) less the W4 stacks it releases
+        (``kernels.moe_cpu.added_copy_nbytes``), by the kernel's rule on the stacks' shapes: nothing is
+        prepared, and a meta-device module works. Equals :meth:`cpu_added_nbytes` once they are made."""
+        return sum(added_copy_nbytes(w.is_quantized, self.dtype, w.num_experts, w.out_features, w.in_features,
+                                     w.group_size) for w in self.expert_weights())
 
     @property
     def device(self) -> torch.device:
-        return self.expert_weights()[0].device
+        """Where the experts compute: the stacks' device, or where they lived before :meth:`pack_for_cpu`
+        released them (the CPU)."""
+        return self._released_from or self.expert_weights()[0].device
 
     @property
     def dtype(self) -> torch.dtype:
         return self.expert_weights()[0].dtype
 
+    def _check_released_can_compute(self, x: torch.Tensor) -> None:
+        """Released stacks (:attr:`released`) leave the prepared copies as the only weights: only the ``torch_cpu``
+        backend reads them, and only for activations of the dtype they were made for (they cannot be made
+        again from meta tensors). Raises RuntimeError otherwise, rather than computing from meta tensors."""
+        made_for = self._prepared[0].dtype
+        if x.dtype != made_for:
+            raise RuntimeError(f"{self.prefix}: activations are {x.dtype} but the experts were prepared for "
+                               f"{made_for} and their W4 stacks released (pack_for_cpu); they cannot be prepared "
+                               f"again. Build the engine with dtype={str(made_for).replace('torch.', '')}")
+        if not self.on_host and backend_name(x) != "torch_cpu":
+            raise RuntimeError(f"{self.prefix}: the {backend_name(x)} backend reads the W4 expert stacks, which "
+                               f"were released once the torch_cpu backend's copy was made (pack_for_cpu). Build "
+                               f"the engine with that backend forced (use_backend / triton_on_cpu around LLM(...))")
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]``, ``topk_weights`` float ``[T, top_k]``, ``topk_ids`` int ``[T, top_k]`` -> ``[T, H]``."""
+        """``x [T, H]``, ``topk_weights`` float ``[T, top_k]``, ``topk_ids`` int ``[T, top_k]`` -> ``[T, H]``.
+
+        Raises:
+            RuntimeError: the stacks were released (:meth:`pack_for_cpu`) and ``x``'s dtype is not the one the
+                copies were prepared for, or another backend than ``torch_cpu`` is forced for this layer.
+        """
         w13, w2 = self.expert_weights()
+        if self.released:
+            self._check_released_can_compute(x)
         if self.on_host:  # hidden states to the host and back; the CPU computes these experts
             y = get_backend("torch_cpu").fused_moe(x.to("cpu"), w13, w2, topk_weights.to("cpu"), topk_ids.to("cpu"))
             y = y.to(x.device)
@@ -270,9 +350,11 @@ def experts_nbytes(num_experts: int, hidden_size: int, intermediate_size: int, d
 
     Returns:
         ``(stored, cpu_copy)``: the stacks' parameters (W4: int4 codes and a scale and zero per group in
-        ``dtype``; dense: ``dtype``), and the CPU copy ``kernels/moe_cpu.py`` prepares of them for activations of
-        ``dtype`` (:func:`~lightinfer.kernels.moe_cpu.prepared_copy_nbytes`, the rule the kernel prepares by:
-        int4 codes plus scale/offset pairs, a dense or prepacked fp32 fallback, none for dense 16-bit experts).
+        ``dtype``; dense: ``dtype``), and the bytes the CPU copy ``kernels/moe_cpu.py`` prepares of them for
+        activations of ``dtype`` adds beyond the W4 stacks it releases
+        (:func:`~lightinfer.kernels.moe_cpu.added_copy_nbytes`, on the rule the kernel prepares by: int4 codes
+        plus scale/offset pairs, 0 added; a dense or prepacked fp32 fallback, its size less the W4 stack; none
+        for dense 16-bit experts). ``stored + cpu_copy`` is what a CPU engine holds for them.
     Raises:
         ValueError: as :func:`expert_group_sizes`.
     """
@@ -282,5 +364,5 @@ def experts_nbytes(num_experts: int, hidden_size: int, intermediate_size: int, d
     stored = copy = 0
     for g, (n, k) in zip(groups, ((2 * i, h), (h, i))):
         stored += e * (n * k // 2 + 2 * (k // g) * n * elem if g else n * k * elem)
-        copy += prepared_copy_nbytes(bool(g), dtype, e, n, k, g or 0)
+        copy += added_copy_nbytes(bool(g), dtype, e, n, k, g or 0)
     return stored, copy

@@ -66,9 +66,9 @@ def test_host_experts_take_the_cpu_backend_while_the_rest_runs_triton(tmp_path: 
         monkeypatch.setattr(backend, "fused_moe", lambda x, *a, _n=name, _f=original: calls[_n].append(x.shape[0])
                             or _f(x, *a))
     path = moe_checkpoint(tmp_path, "qwen3-moe")
-    llm = LLM(str(path), load_format="dummy", quantization="awq", dtype="float32", num_kv_blocks=16,
-              skip_tokenizer_init=True, cpu_experts=1, max_num_batched_tokens=32, max_model_len=256)
-    with triton_on_cpu():
+    with triton_on_cpu():  # built under the Triton path: no CPU preparation releases the stacks it reads
+        llm = LLM(str(path), load_format="dummy", quantization="awq", dtype="float32", num_kv_blocks=16,
+                  skip_tokenizer_init=True, cpu_experts=1, max_num_batched_tokens=32, max_model_len=256)
         got = llm.llm_engine.prompt_logits(list(range(3, 20)))
     # one forward: layer 0's experts on the host (torch_cpu), layer 1's on the "device" (Triton)
     assert calls == {"triton": [17], "torch_cpu": [17]}

@@ -141,15 +141,17 @@ def test_qwen3_moe_needs_cpu_experts_on_12gib_and_fits_24gib() -> None:
     need = (report.max_model_len // 16) * 16 * w4.kv_bytes_per_token
     assert cpu_experts_needed(gpu_all, [per_layer] * 48, need, w4.budget_bytes,
                               w4.activation_bytes + w4.non_torch_bytes) == n
-    # moved experts, the CPU copy the engine makes of them (kernels/moe_cpu.py: fp16 activations, so torch's int4
-    # codes plus an fp16 (scale, offset) pair per group of 128), and the input embedding
+    # moved experts, what the CPU copy the engine makes of them adds beyond the W4 stacks it releases
+    # (kernels/moe_cpu.py: fp16 activations, so torch's int4 codes plus an fp16 (scale, offset) pair per group of
+    # 128: the stacks' size, nothing added), and the input embedding
     from lightinfer.kernels.moe_cpu import int4_gemm_available
 
     e, h, i = 128, 2048, 768
-    copy = (e * sum(n_out * k // 2 + (k // 128) * n_out * 2 * 2 for n_out, k in ((2 * i, h), (h, i)))
-            if int4_gemm_available() else e * 3 * h * i * 2)  # else dequantized fp16
-    assert w4.host_bytes == n * (per_layer + copy) + 151936 * 2048 * 2
-    assert "CPU GEMMs' copy" in w4.note
+    stack = e * sum(n_out * k // 2 + 2 * (k // 128) * n_out * 2 for n_out, k in ((2 * i, h), (h, i)))
+    added = 0 if int4_gemm_available() else e * 3 * h * i * 2 - stack  # else dequantized fp16
+    assert stack == per_layer
+    assert w4.host_bytes == n * (per_layer + added) + 151936 * 2048 * 2
+    assert ("CPU GEMMs' copy adds" in w4.note) == bool(added)
     full = rows[24, "W4 int8"]
     assert full.fits and not full.flags and full.sequences >= 1 and full.graph_bytes > 0
 

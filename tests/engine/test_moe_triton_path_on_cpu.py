@@ -30,10 +30,10 @@ def test_w4_moe_triton_path_matches_torch_cpu_path(tmp_path: Path, monkeypatch: 
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     runs, logits = [], []
     for on_triton in (False, True):
-        llm = LLM(str(path), load_format="dummy", quantization="awq", kv_cache_dtype="int8", dtype="float32",
-                  skip_tokenizer_init=True, num_kv_blocks=24, max_model_len=128, max_num_batched_tokens=16)
         ctx = triton_on_cpu() if on_triton else torch.no_grad()
-        with ctx:
+        with ctx:  # built under the Triton path: no CPU preparation releases the stacks it reads
+            llm = LLM(str(path), load_format="dummy", quantization="awq", kv_cache_dtype="int8", dtype="float32",
+                      skip_tokenizer_init=True, num_kv_blocks=24, max_model_len=128, max_num_batched_tokens=16)
             runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
             logits.append(llm.llm_engine.prompt_logits(prompts[2]))
     torch.testing.assert_close(logits[1], logits[0], atol=2e-3, rtol=2e-3)

@@ -14,6 +14,8 @@ from gguf import GGMLQuantizationType as T
 from lightinfer import LLM
 from lightinfer.formats.gguf_file import open_gguf
 from lightinfer.layers.moe import FusedMoE
+from lightinfer.loader import Checkpoint, load_weights
+from lightinfer.models.registry import get_model_class
 from tests.formats.gguf_files import write_tiny_qwen3moe_gguf
 
 # Q4_K_M-like: gate/up experts Q4_K, down experts Q6_K (or Q4_1 in the second case), attention and head mixed.
@@ -53,7 +55,13 @@ def test_logits_match_transformers_on_the_same_file(tmp_path: Path, down: T) -> 
         assert weights["down_exps"] == "dense (GGUF Q6_K)" and not moe[0].is_quantized("w2")
     else:
         assert weights["down_exps"] == "W4 (GGUF Q4_1, g32)" and moe[0].is_quantized("w2")
-        assert bool((moe[0].w2_zeros != moe[0].w2_zeros.round()).any())  # Q4_1: fractional zeros, kept
+        # the engine released its W4 stacks for the CPU copy (FusedMoE.pack_for_cpu): look at a plain load
+        assert moe[0].released and moe[0].w2_zeros.is_meta
+        ck = Checkpoint(str(path))
+        model = get_model_class(ck.hf_config)(ck.hf_config, ck.quant_config, torch.float32)
+        load_weights(model, ck)
+        loaded = next(m for m in model.modules() if isinstance(m, FusedMoE))
+        assert bool((loaded.w2_zeros != loaded.w2_zeros.round()).any())  # Q4_1: fractional zeros, kept
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1", reason="needs TRITON_INTERPRET=1")
@@ -63,11 +71,10 @@ def test_triton_path_keeps_fractional_zeros(tmp_path: Path) -> None:
     # only the experts quantized: the dense W4 GEMMs' fractional zeros are another matter (kernels/w4_decode.py)
     experts = {"ffn_gate_exps": T.Q4_K, "ffn_up_exps": T.Q4_K, "ffn_down_exps": T.Q4_1}
     path = write_tiny_qwen3moe_gguf(tmp_path / "m.gguf", experts, layers=1)
-    llm = LLM(str(path), dtype="float32", max_model_len=64, num_kv_blocks=8)
-    ids = list(range(3, 20))
-    want = llm.llm_engine.prompt_logits(ids)
-    with triton_on_cpu():
-        got = llm.llm_engine.prompt_logits(ids)
+    with triton_on_cpu():  # built under the Triton path: no CPU preparation releases the stacks it reads
+        llm = LLM(str(path), dtype="float32", max_model_len=64, num_kv_blocks=8)
+        got = llm.llm_engine.prompt_logits(ids := list(range(3, 20)))
+    want = llm.llm_engine.prompt_logits(ids)  # torch_cpu, its copy made by this first forward
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
 
 

@@ -68,10 +68,11 @@ COPY_CASES = {
 
 @pytest.mark.parametrize("case", sorted(COPY_CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_estimated_cpu_copy_is_what_the_cpu_preparation_holds(case: str, dtype: torch.dtype) -> None:
-    """``experts_nbytes``' copy (and ``FusedMoE.cpu_copy_nbytes``, on the stacks' shapes) equals the bytes the
-    CPU preparation really holds (``prepared_nbytes``): int4 codes plus their scale/offset pairs, the dense
-    fallbacks, oneDNN's fp32 prepack, nothing for dense 16-bit stacks."""
+def test_estimated_cpu_copy_is_what_the_cpu_preparation_adds(case: str, dtype: torch.dtype) -> None:
+    """``experts_nbytes``' copy (and ``FusedMoE.cpu_copy_nbytes``, on the stacks' shapes) equals what the CPU
+    preparation really adds (``cpu_added_nbytes``: the copies' bytes less the W4 stacks it releases to the meta
+    device): 0 for int4 codes plus their scale/offset pairs, the dense fallbacks' and oneDNN's fp32 prepack's
+    size less the W4 stack, nothing for dense 16-bit stacks; ``stored + copy`` is what the layer then holds."""
     from lightinfer.kernels.moe_cpu import int4_gemm_available, onednn_available
 
     qc, inter, kinds = COPY_CASES[case]
@@ -80,15 +81,56 @@ def test_estimated_cpu_copy_is_what_the_cpu_preparation_holds(case: str, dtype: 
     for t in (*moe.parameters(), *moe.buffers()):  # any finite values: the preparation's sizes do not depend on them
         t.copy_(torch.randint(0, 2**16, t.shape, generator=gen, dtype=torch.int32) if t.dtype == torch.int32
                 else torch.rand(t.shape, generator=gen).to(t.dtype))
-    _, estimate = experts_nbytes(E, H, inter, dtype, qc, PREFIX)
-    assert moe.prepared_nbytes() == 0
+    stored, estimate = experts_nbytes(E, H, inter, dtype, qc, PREFIX)
+    assert moe.prepared_nbytes() == 0 and moe.cpu_copy_nbytes() == estimate
     moe.pack_for_cpu()
     if dtype == torch.float32 and onednn_available():
         kinds = ("onednn", "onednn")
     elif not int4_gemm_available():
         kinds = ("dense", "dense")
     assert tuple(p.kind for p in moe._prepared) == kinds  # the case reaches the form it is meant to
-    assert estimate == moe.prepared_nbytes()
-    assert moe.cpu_copy_nbytes() == estimate  # the same rule on the built stacks' shapes
+    assert estimate == moe.cpu_added_nbytes()
+    assert moe.cpu_copy_nbytes() == estimate  # the same rule on the (released) stacks' shapes
+    w4 = [s for s in moe.STACKS if moe.is_quantized(s)]
+    assert moe.released == bool(w4) and moe.device.type == "cpu"
+    assert all(getattr(moe, f"{s}_{p}").is_meta for s in w4 for p in ("qweight", "scales", "zeros"))
+    held = sum(t.numel() * t.element_size() for t in (*moe.parameters(), *moe.buffers()) if not t.is_meta)
+    assert held + moe.prepared_nbytes() == stored + estimate  # the layer holds the estimate, once
+    if kinds == ("int4", "int4"):
+        assert estimate == 0  # the same codes and a scale/offset pair per group: the stacks' size
     if qc is None and dtype != torch.float32:
         assert estimate == 0  # dense 16-bit experts compute with their own stacks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_layer_released_stacks_compute_through_the_cpu_copy(dtype: torch.dtype) -> None:
+    """A ``--cpu-experts`` layer (built in host memory) after ``pack_for_cpu`` (what a GPU engine's
+    ``prepare_host_experts`` calls): its W4 stacks on meta, the device still the CPU, and it computes through the
+    torch_cpu copy whatever backend the rest of the model is forced to, as the reference kernel on the stacks."""
+    from lightinfer.kernels import get_backend
+    from lightinfer.layers.moe import experts_in_host_memory
+    from lightinfer.layers.ops import use_backend
+
+    with experts_in_host_memory({0}):
+        moe = make_experts(E, H, 2 * I, dtype, _config({}), PREFIX, layer_idx=0)
+    assert moe.on_host
+    gen = torch.Generator().manual_seed(0)
+    moe.w13_qweight.copy_(torch.randint(-2**31, 2**31 - 1, moe.w13_qweight.shape, generator=gen, dtype=torch.int32))
+    moe.w2_qweight.copy_(torch.randint(-2**31, 2**31 - 1, moe.w2_qweight.shape, generator=gen, dtype=torch.int32))
+    for t in (moe.w13_scales, moe.w2_scales):
+        t.copy_((torch.rand(t.shape, generator=gen) * 0.02).to(dtype))
+    for t in (moe.w13_zeros, moe.w2_zeros):
+        t.copy_(torch.randint(0, 16, t.shape, generator=gen).to(dtype))
+    x = torch.randn(5, H, generator=gen).to(dtype)
+    weights, ids = torch.full((5, 2), 0.5), torch.randint(0, E, (5, 2), generator=gen)
+    want = get_backend("reference").fused_moe(x, *moe.expert_weights(), weights, ids)  # from the stacks
+    stacks = _module_bytes(moe)
+    moe.pack_for_cpu()
+    assert moe.released and moe.device.type == "cpu" and moe.released_nbytes() == stacks
+    assert _module_bytes(moe) == stacks  # by shape: the estimates and check_moe_args still see the stacks
+    assert all(t.is_meta for t in moe.buffers())
+    with use_backend("reference"):
+        got = moe(x, weights, ids)
+    scale = float(want.abs().max())
+    assert scale > 0
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=(1e-5 if dtype == torch.float32 else 2e-2) * scale)

@@ -121,9 +121,10 @@ def test_estimate_matches_the_built_model(arch: str, quantized: bool, tied: bool
         elem = torch.empty(0, dtype=dtype).element_size()
         want_dense = 0 if use_cpu_lowbit(dtype) else sum(m.in_features * m.out_features * elem for m in model.modules()
                                                          if type(m).__name__ in ("W4A16Linear", "W8A16Linear"))
-        # MoE experts' CPU copy, by the kernel's rule on each built layer's stacks (tests/layers/test_moe_layout.py
-        # holds that rule to what the CPU preparation makes): prepacked fp32 for fp32 engines, int4 codes plus
-        # scale/offset pairs for 16-bit ones (dense 16-bit experts: none).
+        # What the MoE experts' CPU copy adds beyond the W4 stacks it releases, by the kernel's rule on each built
+        # layer's stacks (tests/layers/test_moe_layout.py holds that rule to what the CPU preparation makes):
+        # prepacked fp32 less the W4 stacks for fp32 engines, 0 for 16-bit ones (int4 codes plus scale/offset
+        # pairs: the stacks' size; dense 16-bit experts: none).
         want_dense += sum(m.cpu_copy_nbytes() for m in model.modules() if isinstance(m, FusedMoE))
         assert dense == want_dense
 
