@@ -83,7 +83,7 @@ def lowbit_takes(bits: int, out_features: int, in_features: int, group_size: int
     """Whether :func:`prepare_w4` (``bits`` 4) / :func:`prepare_w8` (``bits`` 8) take an ``[N, K]`` weight with
     groups of ``group_size`` along K (module docstring: the int4 op in this torch, N a multiple of 16 for W4 and
     of 8 for W8, a kernel group dividing G); where not, the layer keeps its dense fallback. The one rule the
-    prepare functions and the engine's memory estimates (``layers/quant_embed.py``) follow."""
+    prepare functions and the engine's memory estimates (``layers.linear.stays_lowbit_on_cpu``) follow."""
     return (int4_gemm_available() and out_features % (16 if bits == 4 else 8) == 0
             and _kernel_group(group_size, in_features) is not None)
 

@@ -124,8 +124,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from lightinfer.engine.async_engine import AsyncLLMEngine
     from lightinfer.entrypoints.server import build_api_app, run_server
 
-    kwargs = engine_kwargs(args)
-    config = EngineConfig(model=args.model, max_waiting=args.max_waiting, **kwargs)
+    config = EngineConfig(model=args.model, max_waiting=args.max_waiting, **engine_kwargs(args))
     print(f"lightinfer: loading {args.model} (KV cache {args.kv_cache_dtype}) ...", flush=True)
     engine = AsyncLLMEngine.from_config(config)  # loads on the thread that will step it (see from_config)
     options = {"served_model_name": args.served_model_name, "api_key": args.api_key,

@@ -415,9 +415,7 @@ def resident_weight_bytes(model: torch.nn.Module, device: torch.device) -> tuple
         else:
             host += t.numel() * t.element_size()
     for m in model.modules():
-        prepared = [getattr(m, name, None) for name in ("_lowbit", "_packed", "_dense")]
-        extra = sum(p.nbytes if hasattr(p, "nbytes") and not isinstance(p, torch.Tensor) else
-                    p.numel() * p.element_size() for p in prepared if p is not None)
+        extra = _cpu_forms_nbytes(m, ("_lowbit", "_packed", "_dense"))
         if isinstance(m, FusedMoE):  # only experts that compute on the CPU have copies: host memory on a GPU engine
             extra += m.prepared_nbytes()
         if device.type == "cpu":
@@ -431,10 +429,11 @@ def dequantized_linear_bytes(model: torch.nn.Module) -> int:
     """Bytes of the 4-/8-bit linears' weights the CPU path holds dequantized (the fp32 engine's exact GEMM: a
     prepacked ``_packed`` or a plain ``_dense`` ``[out, in]`` copy; a quantized table's 16-bit rows), beside or
     instead of their codes; ``linear_nbytes``' ``cpu_dense`` predicts them."""
-    total = 0
-    for m in model.modules():
-        if isinstance(m, (W4A16Linear, W8A16Linear)):
-            dense, packed = getattr(m, "_dense", None), getattr(m, "_packed", None)
-            total += dense.numel() * dense.element_size() if isinstance(dense, torch.Tensor) else 0
-            total += packed.nbytes if packed is not None else 0
-    return total
+    return sum(_cpu_forms_nbytes(m, ("_dense", "_packed")) for m in model.modules()
+               if isinstance(m, (W4A16Linear, W8A16Linear)))
+
+
+def _cpu_forms_nbytes(module: torch.nn.Module, names: tuple[str, ...]) -> int:
+    """Bytes of ``module``'s CPU GEMM forms named ``names`` that it holds (a tensor, a ``PackedWeight`` or a
+    ``CpuQuantWeight``: each has ``nbytes``); absent ones count 0."""
+    return sum(form.nbytes for name in names if (form := getattr(module, name, None)) is not None)

@@ -8,6 +8,8 @@ converted into the run-time layout once, at load).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +27,9 @@ from lightinfer.kernels.cpu_lowbit import lowbit_takes
 from lightinfer.layers.cpu_gemm import PackedWeight, can_pack, use_cpu_lowbit
 from lightinfer.layers.ops import backend_name, ops_for, uses_triton
 from lightinfer.layers.w8_linear import W8A16Linear, check_runtime_tensors, inverse_permutation
+
+if TYPE_CHECKING:
+    from lightinfer.formats.scheme import LinearFormat
 
 
 class Linear(nn.Module):
@@ -290,8 +295,16 @@ def linear_nbytes(
         stored = out_features * in_features // 2 + 2 * groups * out_features * elem
     else:  # int8 codes [N, K]; fp32 scales (and zeros unless symmetric) [K/G, N]
         stored = out_features * in_features + (1 if fmt.symmetric else 2) * groups * out_features * 4
-    # Low-bit on a CPU only where torch's int4 GEMM takes the shape (kernels/cpu_lowbit.lowbit_takes: e.g. not
-    # the groups of 16 of a Q4_K_M file's Q6_K layers); elsewhere the layer keeps a dense copy.
-    lowbit = use_cpu_lowbit(dtype) and lowbit_takes(4 if fmt.kind == "w4" else 8, out_features, in_features,
-                                                    fmt.runtime_group_size(in_features))
+    lowbit = stays_lowbit_on_cpu(fmt, out_features, in_features, dtype)
     return stored + bias_bytes, 0 if lowbit else in_features * out_features * elem
+
+
+def stays_lowbit_on_cpu(fmt: LinearFormat, out_features: int, in_features: int, dtype: torch.dtype) -> bool:
+    """Whether a 4-/8-bit ``[out_features, in_features]`` weight of format ``fmt`` keeps its low-bit form on a CPU
+    engine with activations in ``dtype``: 16-bit activations with the ``cpu_lowbit`` switch on
+    (``use_cpu_lowbit``), and a shape torch's int4 GEMM takes (``kernels.cpu_lowbit.lowbit_takes`` on the
+    run-time group: e.g. not the groups of 16 of a Q4_K_M file's Q6_K layers); elsewhere ``pack_for_cpu`` keeps
+    a dense copy. The rule the memory estimates (:func:`linear_nbytes`, ``quant_embed.table_cpu_copy_nbytes``)
+    count by."""
+    return use_cpu_lowbit(dtype) and lowbit_takes(4 if fmt.kind == "w4" else 8, out_features, in_features,
+                                                  fmt.runtime_group_size(in_features))

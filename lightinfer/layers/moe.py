@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightinfer.kernels import ExpertWeights, get_backend
-from lightinfer.kernels.moe_cpu import CpuExperts, added_copy_nbytes
+from lightinfer.kernels.moe_cpu import CpuExperts, added_copy_nbytes, w4_stack_nbytes
 from lightinfer.layers.ops import backend_name, ops_for
 
 _host_layers: frozenset[int] = frozenset()
@@ -363,6 +363,6 @@ def experts_nbytes(num_experts: int, hidden_size: int, intermediate_size: int, d
     groups = expert_group_sizes(e, h, i, quant_config, prefix, proj_names)
     stored = copy = 0
     for g, (n, k) in zip(groups, ((2 * i, h), (h, i))):
-        stored += e * (n * k // 2 + 2 * (k // g) * n * elem if g else n * k * elem)
+        stored += w4_stack_nbytes(dtype, e, n, k, g) if g else e * n * k * elem
         copy += added_copy_nbytes(bool(g), dtype, e, n, k, g or 0)
     return stored, copy

@@ -14,9 +14,7 @@ from torch import nn
 
 from lightinfer.formats.scheme import LINEAR_FORMATS_KEY
 from lightinfer.kernels import dequantize_w4
-from lightinfer.kernels.cpu_lowbit import lowbit_takes
-from lightinfer.layers.cpu_gemm import use_cpu_lowbit
-from lightinfer.layers.linear import W4A16Linear
+from lightinfer.layers.linear import W4A16Linear, stays_lowbit_on_cpu
 from lightinfer.layers.w8_linear import W8A16Linear
 
 
@@ -101,7 +99,7 @@ def table_cpu_copy_nbytes(quant_config: dict | None, vocab_size: int, hidden_siz
     hidden_size`` weights:
 
     * a dequantized copy in ``dtype`` where it does not stay low-bit (fp32 activations, the ``cpu_lowbit``
-      switch off, or a shape torch's int4 GEMM cannot take: ``kernels.cpu_lowbit.lowbit_takes``);
+      switch off, or a shape torch's int4 GEMM cannot take: ``layers.linear.stays_lowbit_on_cpu``);
     * else, for a W8 table an embedding reads, its rows as a 16-bit copy (the int8 codes are released);
     * else nothing (a W4 table keeps its codes beside the low-bit form; those are stored bytes, not a copy).
 
@@ -117,8 +115,6 @@ def table_cpu_copy_nbytes(quant_config: dict | None, vocab_size: int, hidden_siz
         fmt = formats.get(name)
         if fmt is None or fmt.kind == "dense" or (name == "lm_head" and tied):
             continue
-        lowbit = use_cpu_lowbit(dtype) and lowbit_takes(4 if fmt.kind == "w4" else 8, vocab_size, hidden_size,
-                                                        fmt.group_size)
-        if not lowbit or (fmt.kind == "w8" and rows_read):
+        if not stays_lowbit_on_cpu(fmt, vocab_size, hidden_size, dtype) or (fmt.kind == "w8" and rows_read):
             total += vocab_size * hidden_size * elem
     return total
