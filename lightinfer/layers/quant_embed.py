@@ -14,6 +14,8 @@ from torch import nn
 
 from lightinfer.formats.scheme import LINEAR_FORMATS_KEY
 from lightinfer.kernels import dequantize_w4
+from lightinfer.kernels.cpu_lowbit import int8_per_channel_nbytes, int8pack_takes
+from lightinfer.layers.cpu_gemm import use_cpu_lowbit
 from lightinfer.layers.linear import W4A16Linear, stays_lowbit_on_cpu
 from lightinfer.layers.w8_linear import W8A16Linear
 
@@ -75,6 +77,8 @@ class QuantizedLMHead(nn.Module):
     def __init__(self, table: W4A16Linear | W8A16Linear) -> None:
         super().__init__()
         self.table = table
+        if isinstance(table, W8A16Linear):
+            table.lm_head = True  # the CPU engine requantizes it per row for the int8 GEMM (pack_for_cpu)
 
     def pack_for_cpu(self, keep_weight: bool) -> None:
         """On CPU the table is prepared once for the GEMM (``pack_for_cpu`` of its layer); ``keep_weight``
@@ -100,8 +104,11 @@ def table_cpu_copy_nbytes(quant_config: dict | None, vocab_size: int, hidden_siz
 
     * a dequantized copy in ``dtype`` where it does not stay low-bit (fp32 activations, the ``cpu_lowbit``
       switch off, or a shape torch's int4 GEMM cannot take: ``layers.linear.stays_lowbit_on_cpu``);
-    * else, for a W8 table an embedding reads, its rows as a 16-bit copy (the int8 codes are released);
-    * else nothing (a W4 table keeps its codes beside the low-bit form; those are stored bytes, not a copy).
+    * else, for a W8 table an LM head multiplies by (an untied ``lm_head``, or a tied embedding), its copy
+      requantized per row for the int8 GEMM (``kernels.cpu_lowbit.int8_per_channel_nbytes``; the codes stay
+      where an embedding reads rows);
+    * else nothing (a W4 table keeps its codes beside the low-bit form; those are stored bytes, not a copy; a
+      W8 table only an embedding reads keeps its codes and nothing else).
 
     Returns:
         bytes (0 for a model whose tables are dense).
@@ -111,10 +118,13 @@ def table_cpu_copy_nbytes(quant_config: dict | None, vocab_size: int, hidden_siz
         return 0  # only the GGUF loader builds quantized tables
     elem = torch.empty(0, dtype=dtype).element_size()
     total = 0
-    for name, rows_read in (("model.embed_tokens", True), ("lm_head", False)):
+    for name in ("model.embed_tokens", "lm_head"):
         fmt = formats.get(name)
         if fmt is None or fmt.kind == "dense" or (name == "lm_head" and tied):
             continue
-        if not stays_lowbit_on_cpu(fmt, vocab_size, hidden_size, dtype) or (fmt.kind == "w8" and rows_read):
+        head = name == "lm_head" or tied
+        if fmt.kind == "w8" and head and use_cpu_lowbit(dtype) and int8pack_takes(hidden_size):
+            total += int8_per_channel_nbytes(vocab_size, hidden_size)
+        elif not stays_lowbit_on_cpu(fmt, vocab_size, hidden_size, dtype) and (head or fmt.kind == "w4"):
             total += vocab_size * hidden_size * elem
     return total

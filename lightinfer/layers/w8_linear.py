@@ -13,7 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightinfer.kernels import CpuQuantWeight, cpu_quant_linear, dequantize_w8, prepare_w8_cpu
+from lightinfer.kernels import (
+    CpuInt8Weight,
+    CpuQuantWeight,
+    cpu_int8_linear,
+    cpu_quant_linear,
+    dequantize_w8,
+    prepare_w8_cpu,
+    prepare_w8_per_channel_cpu,
+)
 from lightinfer.layers.cpu_gemm import PackedWeight, can_pack, use_cpu_lowbit
 from lightinfer.layers.ops import backend_name, ops_for
 
@@ -23,13 +31,6 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype)
     return inv
-
-
-# A table that also keeps a 16-bit dense copy (see W8A16Linear.pack_for_cpu) multiplies with it from this many
-# rows up: the two int4 halves read fewer bytes, but torch's int4 kernel re-decodes its weight for every few
-# rows (one thread, the 49,152 x 576 LM head: halves 2.35 / 3.4 / 14.0 / 58 ms at 1 / 4 / 16 / 64 rows,
-# bf16 dense 3.4 / 4.0 / 6.1 / 12.1 ms; docs/cpu_performance.md).
-HALVES_MAX_ROWS = 8
 
 
 def check_runtime_tensors(layer: nn.Module) -> None:
@@ -76,7 +77,9 @@ class W8A16Linear(nn.Module):
         self._dense: torch.Tensor | None = None  # CPU only: the weight dequantized once, [out, in]
         self._packed: PackedWeight | None = None
         self._lowbit: CpuQuantWeight | None = None  # CPU only: the codes in torch's int4 GEMM layout (two halves)
+        self._per_channel: CpuInt8Weight | None = None  # CPU only, an LM head: requantized per row (int8 GEMM)
         self.rows_read = False  # an embedding reads rows of this table: pack_for_cpu keeps the int8 tensors
+        self.lm_head = False  # an LM head multiplies by this table (QuantizedLMHead sets it)
 
     @torch.no_grad()
     def load_runtime(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -100,7 +103,7 @@ class W8A16Linear(nn.Module):
         if zeros is not None:
             self.zeros.copy_(zeros.to(torch.float32))
         self.input_perm = None if input_perm is None else input_perm.to(self.qweight.device, torch.int64)
-        self._dense = self._packed = self._lowbit = None
+        self._dense = self._packed = self._lowbit = self._per_channel = None
 
     def dense_weight(self) -> torch.Tensor:
         """The weight ``[out, in]`` in the original input order, dequantized in fp32.
@@ -115,48 +118,63 @@ class W8A16Linear(nn.Module):
         return w
 
     def pack_for_cpu(self) -> None:
-        """Prepare the weight once for the CPU GEMM, as ``W4A16Linear`` does: with 16-bit activations it
-        stays 8-bit (two exact 4-bit halves in torch's int4 GEMM layout, ``kernels.prepare_w8_cpu``),
-        otherwise it is dequantized once (in the activation dtype) and prepacked. The low-bit form replaces
-        the int8 tensors; a table an embedding reads (``rows_read``, e.g. a tied Q8_0 embedding / LM head)
-        keeps its rows as a 16-bit dense copy instead, which from :data:`HALVES_MAX_ROWS` rows up is also
-        the faster product. No-op on CUDA."""
-        if self.qweight is None or self.qweight.is_cuda or self._lowbit is not None or self._packed is not None:
+        """Prepare the weight once for the CPU GEMM, as ``W4A16Linear`` does. With 16-bit activations it stays
+        8-bit: an LM head's table is requantized to one int8 scale per row for torch's int8 GEMM
+        (``kernels.prepare_w8_per_channel_cpu``: the largest product of a step, 1.2-2.8x faster than the
+        halves, module docstring of ``kernels/cpu_lowbit.py``); any other layer becomes two exact 4-bit halves in
+        torch's int4 GEMM layout (``kernels.prepare_w8_cpu``). The prepared form replaces the int8 tensors,
+        except in a table an embedding reads (``rows_read``: a tied Q8_0 embedding / LM head), which keeps them
+        and dequantizes the rows it is asked for: the file's values. With fp32 activations (or a shape those
+        kernels cannot take) the weight is dequantized once, in the activation dtype, and prepacked. No-op on
+        CUDA."""
+        if self.qweight is None or self.qweight.is_cuda or self._prepared():
             return  # (a tied table is reached twice: as the embedding's and as the LM head's)
         if use_cpu_lowbit(self.dtype):
-            self._lowbit = prepare_w8_cpu(self.qweight, self.scales, self.zeros, self.input_perm)
-        if self._lowbit is None:
+            if self.lm_head:
+                self._per_channel = prepare_w8_per_channel_cpu(self.qweight, self.scales, self.zeros,
+                                                               self.input_perm)
+            if self._per_channel is None and self.rows_read and not self.lm_head:
+                return  # only read as rows (an untied embedding): nothing multiplies by it
+            if self._per_channel is None:
+                self._lowbit = prepare_w8_cpu(self.qweight, self.scales, self.zeros, self.input_perm)
+        if self._lowbit is None and self._per_channel is None:
             dense = self.dense_weight().to(self.dtype)
             if can_pack(dense):
                 self._packed = PackedWeight(dense)
             else:
                 self._dense = dense
             return
-        if self.rows_read:
-            self._dense = self.dense_weight().to(self.dtype)
-        self.qweight = self.scales = self.zeros = None  # the same codes in another layout: one copy
+        if not self.rows_read:
+            self.qweight = self.scales = self.zeros = None  # the same codes in another layout: one copy
+
+    def _prepared(self) -> bool:
+        return any(f is not None for f in (self._lowbit, self._packed, self._per_channel, self._dense))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` (int64 ``[T]``) of the weight ``[T, in]`` (the embedding's lookup): dequantized from the
-        int8 tensors in fp32, or read from the CPU engine's 16-bit copy once those are released."""
-        if self.qweight is None and self._dense is not None:
-            return self._dense.index_select(0, ids)
+        """Rows ``ids`` (int64 ``[T]``) of the weight ``[T, in]`` (the embedding's lookup), dequantized from the
+        int8 tensors in fp32 (which ``pack_for_cpu`` keeps in a table an embedding reads).
+
+        Raises:
+            RuntimeError: the int8 tensors were released (the table was packed before the embedding took it).
+        """
+        check_runtime_tensors(self)
         zeros = None if self.zeros is None else self.zeros.index_select(1, ids)
         return dequantize_w8(self.qweight.index_select(0, ids), self.scales.index_select(1, ids), zeros)
 
     @property
     def device(self) -> torch.device:
         """Where the weight lives (its int8 codes, or the forms the CPU engine prepared)."""
-        held = (self.qweight, self._dense, None if self._lowbit is None else self._lowbit.packed)
+        held = (self.qweight, self._dense, None if self._lowbit is None else self._lowbit.packed,
+                None if self._per_channel is None else self._per_channel.qweight)
         return next(t for t in held if t is not None).device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in]`` -> ``[..., out]`` (fp32 accumulation): the prepared weight on the ``torch_cpu``
         backend, the op over the int8 run-time tensors on ``triton`` / ``reference`` (as ``W4A16Linear``)."""
         if backend_name(x) == "torch_cpu":
+            if self._per_channel is not None:
+                return cpu_int8_linear(x, self._per_channel, self.bias)
             if self._lowbit is not None:
-                if self._dense is not None and x.numel() >= HALVES_MAX_ROWS * self.in_features:
-                    return F.linear(x, self._dense, self.bias)
                 return cpu_quant_linear(x, self._lowbit, self.bias)
             if self._packed is not None:
                 return self._packed(x, self.bias)

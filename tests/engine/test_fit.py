@@ -50,13 +50,14 @@ def test_smollm2_gguf_fits_8gib_and_its_weights_are_what_the_engine_holds(smollm
     assert plan.total - plan.parts[BUFFERS] == pytest.approx(engine, rel=0.02)
     assert plan.tied and plan.host_bytes(True) == 0  # a tied embedding stays on the GPU
     # A CPU engine with bf16 activations: the copies it keeps for its GEMMs are what the CPU memory check's
-    # estimate predicts, the tied Q8_0 table's 16-bit rows (which the embedding reads) included.
+    # estimate predicts: the tied Q8_0 table's copy requantized per row for the LM head's int8 GEMM (its codes
+    # stay for the embedding), and no 16-bit copy of it.
     engine = smollm2_lowbit_llm.llm_engine
     assert engine.model_runner.dtype == torch.bfloat16
     hf, qc = engine.checkpoint.hf_config, engine.checkpoint.quant_config
     _, cpu_dense = get_model_class(hf).estimate_weight_bytes(hf, qc, torch.bfloat16)
-    table_rows = hf.vocab_size * hf.hidden_size * 2
-    assert engine.model_info()["cpu_dense_bytes"] == cpu_dense >= table_rows
+    per_channel = hf.vocab_size * hf.hidden_size + hf.vocab_size * 2  # int8 codes + a bf16 scale per row
+    assert engine.model_info()["cpu_dense_bytes"] == cpu_dense == per_channel
 
 
 def test_gptq_checkpoint_as_is_matches_the_built_engine() -> None:

@@ -75,8 +75,9 @@ def test_weights_are_a_fifth_of_the_fp32_load(smollm2_lowbit_llm) -> None:  # ty
 def test_lowbit_cpu_path_answers_as_the_exact_path(smollm2_lowbit_llm, smollm2_llm) -> None:  # type: ignore[no-untyped-def]
     """As served on a CPU (bf16 activations, 4-/8-bit weights in torch's int4 GEMM) against the exact fp32 path
     on the same file: the same greedy answers but where the two were at a near-tie (each side's token among
-    the other's top 3 where they part; measured: 6 of 8 answers identical over 32 tokens, held-out perplexity
-    +0.1%, docs/cpu_performance.md)."""
+    the other's top 3 where they part; measured: 6 of 8 answers identical over 32 tokens on an AVX-512 CPU, 4 of
+    8 on an AVX2 one, whose int4 kernel sums in another order; held-out perplexity +0.1%,
+    docs/cpu_performance.md)."""
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=3)
     chats = [[{"role": "user", "content": c}] for c in CHATS]
     fast = [o.outputs[0] for o in smollm2_lowbit_llm.chat(chats, params, use_tqdm=False)]
@@ -88,4 +89,4 @@ def test_lowbit_cpu_path_answers_as_the_exact_path(smollm2_lowbit_llm, smollm2_l
             if ta != tb:
                 assert ta in b.logprobs[step] and tb in a.logprobs[step], (step, a.logprobs[step], b.logprobs[step])
                 break
-    assert identical >= 5, f"{identical}/8 answers identical"
+    assert identical >= 4, f"{identical}/8 answers identical"

@@ -9,7 +9,8 @@ import torch
 from lightinfer.kernels.cpu_lowbit import int4_gemm_available
 from lightinfer.layers.linear import W4A16Linear
 from lightinfer.layers.quant_embed import QuantizedLMHead, QuantizedVocabEmbedding
-from lightinfer.layers.w8_linear import HALVES_MAX_ROWS, W8A16Linear
+from lightinfer.kernels.cpu_lowbit import int8_per_channel_nbytes, int8pack_available
+from lightinfer.layers.w8_linear import W8A16Linear
 
 pytestmark = pytest.mark.skipif(not int4_gemm_available(), reason="this torch has no CPU int4 GEMM")
 
@@ -56,7 +57,8 @@ def test_fp32_activations_take_the_exact_dense_path() -> None:
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_table_the_embedding_reads_keeps_its_rows_and_switches_product_by_rows() -> None:
+@pytest.mark.skipif(not int8pack_available(), reason="this torch has no CPU int8 weight-only GEMM")
+def test_a_tied_table_keeps_the_files_rows_and_its_head_is_requantized_per_row() -> None:
     gen = torch.Generator().manual_seed(2)
     table = _w8(torch.bfloat16, gen)
     embedding, head = QuantizedVocabEmbedding(table, torch.bfloat16), QuantizedLMHead(table)
@@ -64,11 +66,47 @@ def test_a_table_the_embedding_reads_keeps_its_rows_and_switches_product_by_rows
     rows_before = embedding(ids)
     weight = table.dense_weight()
     head.pack_for_cpu(keep_weight=True)
-    assert table.qweight is None and table._lowbit is not None and table._dense is not None
-    assert torch.equal(embedding(ids), rows_before)  # rows read from the 16-bit copy: the same values
-    for rows in (1, HALVES_MAX_ROWS - 1, HALVES_MAX_ROWS, 20):  # two int4 halves, then the dense copy
+    # the codes stay (the embedding reads them), the head multiplies by its per-row int8 copy, no 16-bit copy
+    assert table.qweight is not None and table._per_channel is not None
+    assert table._lowbit is None and table._dense is None
+    assert table._per_channel.nbytes == int8_per_channel_nbytes(256, 64)
+    assert torch.equal(embedding(ids), rows_before)  # the file's rows, exactly
+    for rows in (1, 7, 20):
         x = torch.randn(rows, 64, generator=gen).bfloat16()
         _close(head(x), x.float() @ weight.t())
+    # per-row requantization: every weight within half a step of the row's int8 scale
+    pc = table._per_channel
+    step = pc.scales.float().unsqueeze(1)
+    assert bool(((pc.qweight.float() * step - weight).abs() <= 0.5 * step + 1e-6).all())
+
+
+@pytest.mark.skipif(not int8pack_available(), reason="this torch has no CPU int8 weight-only GEMM")
+def test_an_untied_w8_head_holds_only_its_per_row_copy_and_an_embedding_only_table_only_its_codes() -> None:
+    gen = torch.Generator().manual_seed(4)
+    head_table, embed_table = _w8(torch.bfloat16, gen), _w8(torch.bfloat16, gen)
+    head, embedding = QuantizedLMHead(head_table), QuantizedVocabEmbedding(embed_table, torch.bfloat16)
+    weight = head_table.dense_weight()
+    rows_before = embedding(torch.tensor([3, 9]))
+    head.pack_for_cpu(keep_weight=False)
+    embed_table.pack_for_cpu()
+    assert head_table.qweight is None and head_table._per_channel is not None and head_table._lowbit is None
+    assert embed_table.qweight is not None and embed_table._lowbit is None and embed_table._per_channel is None
+    assert embed_table._dense is None and torch.equal(embedding(torch.tensor([3, 9])), rows_before)
+    x = torch.randn(4, 64, generator=gen).bfloat16()
+    _close(head(x), x.float() @ weight.t())
+
+
+def test_a_head_whose_inputs_the_int8_gemm_cannot_take_keeps_the_exact_halves() -> None:
+    gen = torch.Generator().manual_seed(5)
+    table = W8A16Linear(96, 64, False, 32, torch.bfloat16)  # K = 96: not a multiple of 64
+    table.load_runtime(torch.randint(-128, 128, (64, 96), generator=gen).to(torch.int8),
+                       torch.rand(3, 64, generator=gen) * 0.01, None)
+    head = QuantizedLMHead(table)
+    weight = table.dense_weight()
+    head.pack_for_cpu(keep_weight=False)
+    assert table._per_channel is None and table._lowbit is not None and table._lowbit.num_splits == 2
+    x = torch.randn(3, 96, generator=gen).bfloat16()
+    _close(head(x), x.float() @ weight.t())
 
 
 def test_w8_without_an_embedding_holds_one_copy() -> None:
