@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightinfer.kernels.cpu_lowbit import int4_gemm_available
+from lightinfer.kernels.cpu_lowbit import int4_gemm_available, int8_per_channel_nbytes, int8pack_available
 from lightinfer.layers.linear import W4A16Linear
 from lightinfer.layers.quant_embed import QuantizedLMHead, QuantizedVocabEmbedding
-from lightinfer.kernels.cpu_lowbit import int8_per_channel_nbytes, int8pack_available
 from lightinfer.layers.w8_linear import W8A16Linear
 
 pytestmark = pytest.mark.skipif(not int4_gemm_available(), reason="this torch has no CPU int4 GEMM")
