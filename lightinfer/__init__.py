@@ -25,15 +25,19 @@ def _import_hub_kernels_first() -> None:
 
     Whenever the checkout root is on ``sys.path`` (pytest with ``tests`` as a package, ``python -m`` or
     ``python -c`` from the checkout), ``import kernels`` would find the folder, and transformers (>= 5 needs
-    the distribution) would fail to read any config with "cannot import name 'CUDAProperties' from 'kernels'".
-    Imported once with the root out of the path, the distribution is what ``sys.modules`` then serves.
+    the distribution) would fail to read any config with "cannot import name 'CUDAProperties' from 'kernels'";
+    a script run from ``bench/`` has ``bench/kernels.py`` first on the path, the same failure. Imported once
+    with every folder of the checkout out of the path, the distribution is what ``sys.modules`` then serves.
     """
     import importlib
     import importlib.util
     import sys
 
-    def is_root(entry: str) -> bool:
-        return _os.path.abspath(entry or _os.curdir) == _root
+    env = _os.path.abspath(sys.prefix) + _os.sep  # a virtual environment may live in the checkout (.venv)
+
+    def is_root(entry: str) -> bool:  # the checkout or a folder of it, not the environment's site-packages
+        path = _os.path.abspath(entry or _os.curdir)
+        return (path == _root or path.startswith(_root + _os.sep)) and not path.startswith(env)
 
     if "kernels" in sys.modules or not any(is_root(p) for p in sys.path):
         return
