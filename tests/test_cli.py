@@ -59,3 +59,17 @@ def test_every_subcommand_and_flag_is_described_with_its_default() -> None:
                 assert "default" in shown, f"{name} {action.option_strings[0]} does not show its default: {shown}"
     assert "--port PORT           TCP port (default: 7860)" in sub.choices["demo"].format_help()
     assert "(default: 256)" in sub.choices["generate"].format_help()  # --max-tokens
+
+
+def test_a_reader_that_goes_away_ends_the_output_quietly() -> None:
+    """``lightinfer fit ... | head -2``: when the pipe closes before the table is written, the command stops
+    with SIGPIPE's exit status and no traceback (it printed ``BrokenPipeError`` before)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "lightinfer.cli", "fit", "smollm2-135m-instruct",
+                             "--vram", "8GiB,12GiB,24GiB"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first line is written (the import alone takes seconds)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

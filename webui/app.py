@@ -36,6 +36,7 @@ from lightinfer.webui.replies import (
     is_note,
     json_schema_constraint,
     note,
+    refusal,
     ui_seed,
 )
 
@@ -44,11 +45,15 @@ __all__ = ["build_ui", "content_text", "engine_panel", "format_json_reply", "his
 
 
 def check_message(message: Any) -> dict[str, Any]:
-    """The chat box's validator: text that is not Unicode (a lone surrogate, which only a script or a broken
-    client sends) is refused with a message over the box, which keeps the text. Gradio would otherwise echo it
-    into the chat and fail to serialize it, with a traceback in the log and the box left disabled."""
+    """The chat box's validator: an empty message (Enter on an empty box) and text that is not Unicode (a lone
+    surrogate, which only a script or a broken client sends) are refused with a message over the box, which
+    keeps the text. Gradio would otherwise send an empty turn to the model, or echo the bad text into the chat
+    and fail to serialize it, with a traceback in the log and the box left disabled."""
+    text = content_text(message)
+    if not text.strip():  # Enter on an empty box: nothing to answer (the model would reply to nothing)
+        return gr.validate(False, "the message is empty: type something first")
     try:
-        check_text(content_text(message), "the message")
+        check_text(text, "the message")
     except ValueError as exc:
         return gr.validate(False, str(exc))
     return gr.validate(True, "")
@@ -95,7 +100,7 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
             request_, dropped = await asyncio.get_running_loop().run_in_executor(
                 prep, prepare, system or "", turns, int(max_new_tokens), settings)
         except ValueError as exc:
-            yield [note(f"⚠️ {exc}")]
+            yield [refusal(f"⚠️ {exc}")]
             return
         notes = []
         if dropped:
@@ -118,7 +123,7 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
         except EngineDeadError as exc:
             raise gr.Error(f"the engine is not running: {exc}") from exc
         except ValueError as exc:  # refused by the engine (e.g. a setting it cannot honour): a note, no traceback
-            yield notes + [note(f"⚠️ {exc}")]
+            yield notes + [refusal(f"⚠️ {exc}")]
             return
         finally:  # Stop / tab closed: Gradio closes this generator; free the engine's blocks now
             replies.end(progress, stopped=not finished)

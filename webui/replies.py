@@ -19,6 +19,9 @@ from typing import Any
 import gradio as gr
 
 STATS_TAG = "lightinfer-stats"  # metadata id of our own notes, which are never sent to the model
+# metadata id of a note that refused the user message before it (too long, a bad setting): that message is
+# never sent to the model either, or every later turn would carry it (and push the real conversation out)
+REFUSED_TAG = "lightinfer-refused"
 MAX_UI_SEED = 2**63  # as the OpenAI API takes it
 
 
@@ -35,29 +38,48 @@ def content_text(content: Any) -> str:
     return ""  # files, components: nothing the text model can read
 
 
-def is_note(msg: Any) -> bool:
-    """Whether a history entry is one of our notes."""
+def _note_id(msg: Any) -> str | None:
     m = msg if isinstance(msg, dict) else getattr(msg, "__dict__", {})
     meta = m.get("metadata") or {}
-    return isinstance(meta, dict) and meta.get("id") == STATS_TAG
+    return meta.get("id") if isinstance(meta, dict) else None
+
+
+def is_note(msg: Any) -> bool:
+    """Whether a history entry is one of our notes (stats, notices, refusals)."""
+    return _note_id(msg) in (STATS_TAG, REFUSED_TAG)
 
 
 def history_messages(history: list[Any]) -> list[dict[str, str]]:
-    """Gradio chat history -> ``[{"role", "content"}]`` without our stats / notice notes."""
-    out = []
+    """Gradio chat history -> ``[{"role", "content"}]`` without our notes, without a user message a
+    :func:`refusal` answered, and without the replies to an empty user message (which alone would leave two
+    assistant turns in a row)."""
+    out: list[dict[str, str]] = []
+    skipping_replies = False
     for msg in history:
+        if _note_id(msg) == REFUSED_TAG:
+            if out and out[-1]["role"] == "user":
+                out.pop()
+            continue
         if is_note(msg):
             continue
         m = msg if isinstance(msg, dict) else getattr(msg, "__dict__", {})
-        text = content_text(m.get("content"))
-        if m.get("role") in ("user", "assistant") and text:
-            out.append({"role": m["role"], "content": text})
+        role, text = m.get("role"), content_text(m.get("content"))
+        if role == "user":
+            skipping_replies = not text
+        if role in ("user", "assistant") and text and not (role == "assistant" and skipping_replies):
+            out.append({"role": role, "content": text})
     return out
 
 
 def note(text: str) -> gr.ChatMessage:
     """A note under the reply (see the module docstring for why it has no status)."""
     return gr.ChatMessage(role="assistant", content="", metadata={"title": text, "id": STATS_TAG})
+
+
+def refusal(text: str) -> gr.ChatMessage:
+    """A note saying why the user message before it was not answered; that message is then left out of the
+    history the model sees (:func:`history_messages`)."""
+    return gr.ChatMessage(role="assistant", content="", metadata={"title": text, "id": REFUSED_TAG})
 
 
 def ui_seed(value: Any) -> int | None:

@@ -123,6 +123,22 @@ def test_long_conversation_trimmed_with_notice(browser: Any, fake_server: LiveSe
     page.context.close()
 
 
+def test_a_refused_message_does_not_push_the_conversation_out(browser: Any, fake_server: LiveServer) -> None:
+    """Fake engine (512-token context): a message longer than the context is refused with a note, and the next
+    turn does not send it again (it did, and then dropped the earlier turns to make room for it)."""
+    page = _open(browser, fake_server.url, temperature=None, max_new_tokens="20", api_key="test-key")
+    for i, text in enumerate(["hello there", "blah " * 700, "say hi"]):
+        box = page.get_by_test_id("textbox").last
+        box.fill(text)
+        box.press("Enter")
+        if i == 1:
+            _wait_for(lambda: any("tokens long" in t for t in _bot_texts(page)), 30, "the refusal")
+        else:
+            _wait_for(lambda i=i: sum("tokens/s" in t for t in _bot_texts(page)) > i // 2, 30, f"reply {i}")
+    assert "oldest messages were left out" not in "\n".join(_bot_texts(page))
+    page.context.close()
+
+
 def test_json_schema_box_constrains_and_formats_the_reply(browser: Any, real_server: LiveServer) -> None:
     import json
 
@@ -190,8 +206,12 @@ def test_a_stopped_reply_keeps_its_text_and_shows_its_numbers(browser: Any, slow
 
 def test_bad_input_in_the_ui_is_a_message_not_a_traceback(browser: Any, slow_server: LiveServer, capfd) -> None:
     """Issue 19 item 7: a lone surrogate typed (by a script) into the box, or a seed of 1e30, logged a
-    traceback and left the chat stuck; now the box says what is wrong, and the seed gets a note."""
+    traceback and left the chat stuck; now the box says what is wrong, and the seed gets a note. Enter on an
+    empty box sent an empty turn that the model answered; now the box refuses it."""
     page = _open(browser, slow_server.url, temperature=None, max_new_tokens="8")
+    page.get_by_test_id("textbox").last.press("Enter")  # an empty box: refused over the box, nothing sent
+    page.get_by_text("the message is empty").wait_for(timeout=10_000)
+    assert _bot_texts(page) == [] and page.get_by_test_id("user").count() == 0
     page.get_by_test_id("textbox").last.fill("x")
     page.evaluate("() => { const t = [...document.querySelectorAll('textarea[data-testid=textbox]')].pop();"
                   " t.value = 'a\\ud800b'; t.dispatchEvent(new Event('input', {bubbles: true})); }")

@@ -228,3 +228,29 @@ def test_a_server_steps_on_every_core_unless_told(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(Stop):
         commands.run_serve(_parse(["serve", "m", "--no-ui", "--threads", "2"]))
     assert seen["threads"] == 2
+
+
+def test_a_refused_message_and_the_replies_to_an_empty_one_are_kept_from_the_model() -> None:
+    """A message the UI refused (e.g. longer than the context) stays on screen with its refusal, but later
+    turns do not send it again (it pushed the real conversation out of the context before); an empty user
+    turn's reply is left out with it, so roles still alternate."""
+    from lightinfer.webui.replies import history_messages, is_note, refusal
+
+    r = refusal("⚠️ the message is 15021 tokens long; the model's context holds 8192")
+    assert is_note(r)
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+               {"role": "user", "content": "x" * 60_000}, {"role": "assistant", "content": "",
+                                                          "metadata": dict(r.metadata)},
+               {"role": "user", "content": ""}, {"role": "assistant", "content": "a reply to nothing"},
+               {"role": "user", "content": "say hi"}]
+    assert history_messages(history) == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                                         {"role": "user", "content": "say hi"}]
+
+
+@pytest.mark.parametrize("message", ["", "   \n", {"text": "", "files": []}])
+def test_an_empty_message_is_refused_in_the_box(message: object) -> None:
+    from lightinfer.webui.app import check_message
+
+    result = check_message(message)
+    assert result["is_valid"] is False and "empty" in result["message"]
+    assert check_message("hello")["is_valid"] is True
