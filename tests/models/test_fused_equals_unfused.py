@@ -77,7 +77,9 @@ def test_fused_model_equals_unfused_on_cpu(tmp_path_factory: pytest.TempPathFact
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1",
                     reason="runs the Triton kernels on CPU: needs TRITON_INTERPRET=1")
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+# Under the interpreter each architecture costs ~30 s of CI: Qwen2 is Llama's layer plus q/k/v biases (and the
+# CPU variant above runs Llama itself), Qwen3 the q/k-norm variant that keeps qkv un-deferred.
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
 def test_fused_deferred_model_equals_unfused_on_the_triton_path(tmp_path_factory: pytest.TempPathFactory, arch: str,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     path = _tiny_dir(tmp_path_factory, arch)
