@@ -35,6 +35,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers.install import cpu_flags  # bench/ is not a package: its folder goes on the path first
+
 MODEL = "smollm2-135m-instruct"
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = [("exact", 0.0), ("lowbit", 0.0), ("tensor", 0.0), ("row", 0.0), ("row-w7", 0.0), ("smooth", 0.3),
@@ -143,8 +146,7 @@ def main() -> None:
     exact = rows[0]
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    flags = cpuinfo.read_text() if cpuinfo.exists() else ""
+    flags = cpu_flags()
     isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
     md = ["# int8 activations on the CPU: quality and speed (fbgemm dynamic int8 linear)", "",
           (f"Taken {when} on {cpu} ({isa}), {torch.get_num_threads()} threads, torch {torch.__version__}; "

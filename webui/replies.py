@@ -38,9 +38,13 @@ def content_text(content: Any) -> str:
     return ""  # files, components: nothing the text model can read
 
 
+def _as_dict(msg: Any) -> dict[str, Any]:
+    """A history entry (a dict, or a ``gr.ChatMessage``) as a dict."""
+    return msg if isinstance(msg, dict) else getattr(msg, "__dict__", {})
+
+
 def _note_id(msg: Any) -> str | None:
-    m = msg if isinstance(msg, dict) else getattr(msg, "__dict__", {})
-    meta = m.get("metadata") or {}
+    meta = _as_dict(msg).get("metadata") or {}
     return meta.get("id") if isinstance(meta, dict) else None
 
 
@@ -56,13 +60,12 @@ def history_messages(history: list[Any]) -> list[dict[str, str]]:
     out: list[dict[str, str]] = []
     skipping_replies = False
     for msg in history:
-        if _note_id(msg) == REFUSED_TAG:
-            if out and out[-1]["role"] == "user":
-                out.pop()
+        tag = _note_id(msg)
+        if tag == REFUSED_TAG and out and out[-1]["role"] == "user":
+            out.pop()
+        if tag in (STATS_TAG, REFUSED_TAG):
             continue
-        if is_note(msg):
-            continue
-        m = msg if isinstance(msg, dict) else getattr(msg, "__dict__", {})
+        m = _as_dict(msg)
         role, text = m.get("role"), content_text(m.get("content"))
         if role == "user":
             skipping_replies = not text
@@ -71,15 +74,15 @@ def history_messages(history: list[Any]) -> list[dict[str, str]]:
     return out
 
 
-def note(text: str) -> gr.ChatMessage:
+def note(text: str, tag: str = STATS_TAG) -> gr.ChatMessage:
     """A note under the reply (see the module docstring for why it has no status)."""
-    return gr.ChatMessage(role="assistant", content="", metadata={"title": text, "id": STATS_TAG})
+    return gr.ChatMessage(role="assistant", content="", metadata={"title": text, "id": tag})
 
 
 def refusal(text: str) -> gr.ChatMessage:
     """A note saying why the user message before it was not answered; that message is then left out of the
     history the model sees (:func:`history_messages`)."""
-    return gr.ChatMessage(role="assistant", content="", metadata={"title": text, "id": REFUSED_TAG})
+    return note(text, REFUSED_TAG)
 
 
 def ui_seed(value: Any) -> int | None:
