@@ -134,8 +134,18 @@ def test_ctrl_c_in_a_terminal_stops_the_reply_not_the_program() -> None:
         after = term.expect(b"[stopped]")
         assert len(after) < 400  # stopped well before the 400-token reply ended
         term.expect(b">>> ")
-        os.write(parent, b"\x03")  # at the prompt: a hint, the program goes on
-        term.expect(b"/exit or Ctrl-D leaves")
+        # At the prompt: a hint, the program goes on. A SIGINT that lands between input() writing ">>> " and its
+        # blocking read is only flagged (CPython's readline does not look again until the read returns), which a
+        # loaded machine can hit; a person's second Ctrl-C gets through, so the test presses it again.
+        for _ in range(10):
+            os.write(parent, b"\x03")
+            try:
+                term.expect(b"/exit or Ctrl-D leaves", timeout=3)
+                break
+            except AssertionError:
+                continue
+        else:
+            raise AssertionError(f"Ctrl-C at the prompt never gave the hint; got {term.seen[term.pos:][-300:]!r}")
         term.expect(b">>> ")
         os.write(parent, b"/exit\n")
         assert proc.wait(timeout=20) == 0
