@@ -29,7 +29,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cpu_gemm_candidates as C
+from peers.install import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"qkv 576->960": (576, 960), "o 576->576": (576, 576), "gate_up 576->3072": (576, 3072),
@@ -278,8 +278,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.json_out.write_text(json.dumps({"torchao": torchao.__version__, "records": records}))
         return {}
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "cpu": next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                         if ln.startswith("model name")), platform.processor()),
+            "cpu": cpu_name(),
             "threads": args.threads, "clock": args.clock, "torch": torch.__version__,
             "conditions": _conditions(args.threads, args.clock)}
     print(f"[cpu_gemm] {meta['conditions']}", flush=True)

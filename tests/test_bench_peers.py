@@ -160,3 +160,22 @@ def test_others_meter_sees_load_that_starts_during_a_measurement() -> None:
     finally:
         os.killpg(me.pid, 9)
         me.wait()
+
+
+def test_step_floor_zeroes_the_products_only_inside_and_names_the_cpu() -> None:
+    import cpu_step_floor
+    from peers import install
+
+    from lightinfer.layers import linear, w8_linear
+
+    real = (linear.cpu_quant_linear, w8_linear.cpu_quant_linear, w8_linear.cpu_int8_linear)
+    weight = type("W", (), {"out_features": 5})()
+    x = torch.ones(2, 3, 8, dtype=torch.bfloat16)
+    with cpu_step_floor.patched("no layer GEMMs"):
+        y = linear.cpu_quant_linear(x, weight, None, torch.float32)
+        assert y.shape == (2, 3, 5) and y.dtype == torch.float32 and not y.any()
+        assert w8_linear.cpu_int8_linear is real[2]  # the LM head still runs
+    with cpu_step_floor.patched("no GEMMs"):
+        assert w8_linear.cpu_int8_linear is not real[2] and w8_linear.cpu_quant_linear is not real[1]
+    assert (linear.cpu_quant_linear, w8_linear.cpu_quant_linear, w8_linear.cpu_int8_linear) == real
+    assert install.cpu_name()

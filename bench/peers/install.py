@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -48,6 +49,16 @@ def cpu_flags() -> set[str]:
     except OSError:
         return set()
     return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (``platform.processor()`` where it cannot be read)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")),
+                platform.processor() or platform.machine())
 
 
 def llama_cmake_flags(flags: set[str] | None = None) -> list[str]:
