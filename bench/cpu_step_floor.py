@@ -14,9 +14,9 @@ that the machine's drift hits all three alike:
 
 What is left in ``no GEMMs`` is the floor that a faster matrix product cannot touch: norms, RoPE and the KV
 store, attention, casts, the sampler and the Python between them. A step is timed as the difference between
-``LLM.generate`` with ``1 + --steps`` and with 1 output token for fresh random 128-token prompts (no prefix
-cache hits), so prefill is not in it. Zeroed products change the values but not the shapes or the amount
-of work elsewhere (greedy decoding with ``ignore_eos``). Writes ``bench/results/cpu_step_floor.json``.
+``LLM.generate`` with ``1 + --steps`` and with 1 output token for fresh random prompts of ``--prompt-len``
+tokens (no prefix cache hits), so prefill is not in it. Zeroed products change the values but not the
+shapes or the amount of work elsewhere (greedy decoding with ``ignore_eos``). Writes ``bench/results/cpu_step_floor.json``.
 """
 
 from __future__ import annotations
