@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import cpu_native
 from .paged_kv import PagedKV
 from .reference import quantize_kv_int8
 from .split_k import SplitKPartials
@@ -59,7 +60,7 @@ def _versions(tensors: tuple[torch.Tensor, ...], extra: tuple) -> tuple:
     return (*(-1 if t.is_inference() else t._version for t in tensors), *extra)
 
 
-_memo = StepMemo()
+step_memo = StepMemo()  # what every layer of the current step shares (the C ops use it too)
 # RMSNorm weights doubled for the LayerNorm form, one per weight tensor (dropped with the weight).
 _doubled: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
@@ -78,6 +79,9 @@ def _doubled_weight(weight: torch.Tensor) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, computed in fp32, returned in ``x.dtype`` (module docstring: LayerNorm of
     ``[x, -x]``, whose variance is ``mean(x^2)``)."""
+    native = cpu_native.add_rms_norm(None, x, weight, eps)
+    if native is not None:
+        return native[0]
     h = x.shape[-1]
     # an fp32 weight with 16-bit x: torch's mixed-dtype LayerNorm applies it in fp32 and rounds once
     return F.layer_norm(torch.cat([x, x.neg()], dim=-1), (2 * h,), _doubled_weight(weight), None, eps)[..., :h]
@@ -88,6 +92,9 @@ def fused_add_rms_norm(x: torch.Tensor | SplitKPartials, residual: torch.Tensor,
     """``residual = x + residual`` (in ``x.dtype``); returns ``(rms_norm(residual), residual)``."""
     if isinstance(x, SplitKPartials):
         x = x.reduced()
+    native = cpu_native.add_rms_norm(x, residual, weight, eps)
+    if native is not None:
+        return native
     residual = x + residual if residual.dtype == x.dtype else (x.to(torch.float32) + residual).to(x.dtype)
     return rms_norm(residual, weight, eps), residual
 
@@ -98,7 +105,7 @@ def _rope_tables(positions: torch.Tensor, cos_cache: torch.Tensor,
     def build() -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = cos_cache[positions].to(torch.float32), sin_cache[positions].to(torch.float32)
         return torch.cat([cos, cos], -1).unsqueeze(1), torch.cat([sin.neg(), sin], -1).unsqueeze(1)
-    return _memo.get("rope", (positions, cos_cache, sin_cache), (), build)
+    return step_memo.get("rope", (positions, cos_cache, sin_cache), (), build)
 
 
 def _rotate(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
@@ -134,7 +141,7 @@ def _valid_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
             return slot_mapping.long(), None
         rows = keep.nonzero().flatten()
         return slot_mapping[rows].long(), rows
-    return _memo.get("slots", (slot_mapping,), (), build)
+    return step_memo.get("slots", (slot_mapping,), (), build)
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, kv: PagedKV, slot_mapping: torch.Tensor) -> None:
@@ -168,6 +175,9 @@ def rope_store_kvcache(positions: torch.Tensor, qkv: torch.Tensor | SplitKPartia
     ``slot_mapping``; returns q ``[T, Hq, D]`` in ``qkv.dtype`` (``reference.rope_store_kvcache``)."""
     if isinstance(qkv, SplitKPartials):
         qkv = qkv.reduced()
+    native = cpu_native.rope_store(positions, qkv, num_heads, num_kv_heads, cos_cache, sin_cache, kv, slot_mapping)
+    if native is not None:
+        return native
     d = kv.head_dim  # the rotated dims may be fewer (partial rotary)
     cos2, sin2 = _rope_tables(positions, cos_cache, sin_cache)
     qk = _rotate(qkv[:, : (num_heads + num_kv_heads) * d].unflatten(-1, (num_heads + num_kv_heads, d)),
@@ -181,6 +191,9 @@ def silu_and_mul(x: torch.Tensor | SplitKPartials) -> torch.Tensor:
     """``x [..., 2 I]`` -> ``silu(x[..., :I]) * x[..., I:]``, computed in fp32 and rounded once into ``x.dtype``."""
     if isinstance(x, SplitKPartials):
         x = x.reduced()
+    native = cpu_native.silu_mul(x)
+    if native is not None:
+        return native
     half = x.shape[-1] // 2
     gate, up = x[..., :half], x[..., half:]
     if x.dtype == torch.float32:

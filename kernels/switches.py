@@ -13,6 +13,9 @@
 ``LIGHTINFER_CPU_LOWBIT=0``    on a CPU, 4-/8-bit layers are dequantized once into dense weights
                                instead of staying low-bit for torch's int4 GEMM (``cpu_lowbit.py``):
                                the exact path, 4-8x the memory
+``LIGHTINFER_CPU_NATIVE=0``    on a CPU, norms, RoPE + KV store, decode attention and SiLU·mul run
+                               as torch ops instead of the C ops compiled at first use
+                               (``cpu_native.py``)
 =============================  ==================================================================
 
 The environment is read at the first :func:`current` call and never again: a launch costs a dict
@@ -35,6 +38,7 @@ PDL_ENV = "LIGHTINFER_PDL"
 PDL_PREFETCH_ENV = "LIGHTINFER_PDL_PREFETCH"
 W4A16_CONFIGS_ENV = "LIGHTINFER_W4A16_CONFIGS"
 CPU_LOWBIT_ENV = "LIGHTINFER_CPU_LOWBIT"
+CPU_NATIVE_ENV = "LIGHTINFER_CPU_NATIVE"
 BACKEND_NAMES = ("triton", "torch_cpu", "reference")
 
 
@@ -49,6 +53,7 @@ class KernelSwitches:
         pdl_prefetch: with PDL on, the W4 GEMMs prefetch their first weights into L2 before the wait.
         w4a16_configs: a tuned-config file path, ``"none"``, or None (the GPU model's own file).
         cpu_lowbit: on a CPU, 4-/8-bit layers with 16-bit activations stay low-bit (``cpu_lowbit.py``).
+        cpu_native: on a CPU, the per-layer small ops use the C ops of ``cpu_native.py`` where they apply.
     """
 
     backend: str | None = None
@@ -57,6 +62,7 @@ class KernelSwitches:
     pdl_prefetch: bool = True
     w4a16_configs: str | None = None
     cpu_lowbit: bool = True
+    cpu_native: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> KernelSwitches:
@@ -74,7 +80,8 @@ class KernelSwitches:
                    pdl=environ.get(PDL_ENV, "1") != "0",
                    pdl_prefetch=environ.get(PDL_PREFETCH_ENV, "1") != "0",
                    w4a16_configs=environ.get(W4A16_CONFIGS_ENV) or None,
-                   cpu_lowbit=environ.get(CPU_LOWBIT_ENV, "1") != "0")
+                   cpu_lowbit=environ.get(CPU_LOWBIT_ENV, "1") != "0",
+                   cpu_native=environ.get(CPU_NATIVE_ENV, "1") != "0")
 
 
 _current: KernelSwitches | None = None

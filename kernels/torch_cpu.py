@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import cpu_native
 from .cpu_fused import (
     apply_rotary,
     fused_add_rms_norm,
@@ -175,6 +176,10 @@ def paged_attention_decode(q: torch.Tensor, kv: PagedKV, block_tables: torch.Ten
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``.
     """
+    if window <= 0 and softcap <= 0:
+        native = cpu_native.attend_decode(q, kv, block_tables, context_lens, scale)
+        if native is not None:
+            return native
     _, num_heads, head_dim = q.shape
     num_kv_heads = kv.num_kv_heads
     groups = _decode_plan(block_tables, context_lens, kv.block_size, num_kv_heads, head_dim, window)

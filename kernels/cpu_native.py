@@ -1,0 +1,303 @@
+"""The CPU engine's small per-layer ops in C (``native/cpu_decode_ops.c``), compiled at first use.
+
+At batch 1 a CPU decode step spends more time in the ~40 small torch ops per layer around its matrix
+products (norms, RoPE, the KV store, the gather and SDPA of decode attention, SiLU·mul, the casts
+between them) than in the products themselves: ~16 of a 30 ms step on a 2-core AVX2 EPYC
+(``bench/cpu_step_floor.py``). Each op here is one C call doing what those torch ops do, with the same
+results up to fp32 summation order (``tests/kernels/test_cpu_native.py``):
+
+* :func:`add_rms_norm`: the residual add and RMSNorm (``cpu_fused.fused_add_rms_norm`` / ``rms_norm``);
+* :func:`silu_mul`: ``silu(gate) * up`` in fp32, rounded once;
+* :func:`rope_store`: RoPE of q and k, k and v written at their slots (bf16/fp32 or INT8 cache);
+* :func:`attend_decode`: one query per sequence over its paged context, parallel over sequences and KV heads.
+
+Each returns None where it does not apply (fp16 activations, partial rotary, a strided cache, ...) and the
+caller runs the torch ops instead. The library is built once per source, compiler and CPU with the system's
+C compiler (``$CC``, else ``cc`` / ``gcc`` / ``clang``: ``-O3 -march=native``, OpenMP when available, about
+a second) into ``$XDG_CACHE_HOME/lightinfer/native`` (``~/.cache``); with no compiler, or
+``LIGHTINFER_CPU_NATIVE=0``, every op takes the torch path and one log line says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from . import switches
+from .paged_kv import PagedKV
+
+logger = logging.getLogger("lightinfer")
+
+SOURCE = Path(__file__).resolve().parent / "native" / "cpu_decode_ops.c"
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fno-strict-aliasing", "-shared", "-fPIC")
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_I8 = 2
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "li_add_rms_norm": (_P, _P, _P, _P, _I, _P, _I, _I, _F, _I, _I),
+    "li_silu_mul": (_P, _P, _I, _I, _I, _I),
+    "li_rope_store": (_P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P),
+    "li_attend_decode": (_P, _I, _I, _I, _I, _I, _F, _P, _I, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I, _I),
+}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+status = "not loaded"  # what happened at the first use: the library's path, or why the torch ops run
+
+
+class NativeBuildError(RuntimeError):
+    """The C compiler failed; the message holds its command and output."""
+
+
+def cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/lightinfer/native`` or ``~/.cache/lightinfer/native``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "lightinfer" / "native"
+
+
+def find_compiler() -> str | None:
+    """``$CC`` if set, else the first of ``cc``, ``gcc``, ``clang`` on ``PATH``; None when there is none."""
+    if os.environ.get("CC"):
+        return shutil.which(os.environ["CC"]) or os.environ["CC"]
+    for name in ("cc", "gcc", "clang"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: the CPU's flags (Linux) or its name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build(compiler: str, out: Path) -> float:
+    """Compile :data:`SOURCE` into the shared library ``out`` (written whole or not at all: a temporary file
+    renamed into place), with OpenMP if the compiler has it, else without. Returns the seconds it took.
+
+    Raises:
+        NativeBuildError: neither build succeeded (the message holds the compiler's output).
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    start, errors = time.perf_counter(), []
+    for extra in (("-fopenmp",), ("-fopenmp-simd",)):
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        cmd = [compiler, *FLAGS, *extra, "-o", tmp, str(SOURCE)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            done, err = None, str(exc)
+        if done is not None and done.returncode == 0:
+            os.replace(tmp, out)
+            return time.perf_counter() - start
+        os.unlink(tmp)
+        errors.append(f"$ {' '.join(cmd)}\n{done.stderr.strip() if done is not None else err}")
+    raise NativeBuildError("compiling the CPU ops failed:\n" + "\n".join(errors))
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded ops library, built on the first call when no cached build fits; None when switched off
+    (``LIGHTINFER_CPU_NATIVE=0``) or when it cannot be built or loaded (logged once, :data:`status`)."""
+    global _lib, _tried, status
+    if not switches.current().cpu_native:
+        return None
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        try:
+            _lib = _load()
+        except (NativeBuildError, OSError) as exc:
+            status = f"torch ops (the C ops are unavailable: {exc})"
+            logger.warning("lightinfer: the CPU's small ops run as torch ops, slower at small batches: %s", exc)
+        _tried = True
+    return _lib
+
+
+def _load() -> ctypes.CDLL:
+    global status
+    compiler = find_compiler()
+    if compiler is None:
+        raise NativeBuildError("no C compiler found (set $CC, or install gcc or clang)")
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), compiler.encode(), " ".join(FLAGS).encode(),
+                                     _cpu_signature().encode(), torch.__version__.encode()])).hexdigest()[:16]
+    path = cache_dir() / f"cpu_decode_ops-{key}.so"
+    if not path.exists():
+        seconds = build(compiler, path)
+        logger.info("lightinfer: compiled the CPU ops in %.1f s (%s)", seconds, path)
+    lib = ctypes.CDLL(str(path))
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    status = str(path)
+    return lib
+
+
+def _usable(*tensors: torch.Tensor) -> bool:
+    return all(t.is_cpu and t.is_contiguous() and not t.requires_grad for t in tensors)
+
+
+def _checked_once(kind: str, keys: tuple[torch.Tensor, ...], check) -> bool:
+    """``check()`` once per step for these tensors (the step memo of ``cpu_fused``)."""
+    from .cpu_fused import step_memo
+    return step_memo.get(f"native:{kind}", keys, (), check)
+
+
+def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``x is None``: ``(rms_norm(residual) * weight, residual)``; else ``residual' = x + residual`` rounded to
+    the dtype, ``(rms_norm(residual') * weight, residual')``. ``[..., hidden]`` fp32/bf16 (one dtype), weight
+    ``[hidden]`` fp32/bf16. None where the C op does not apply."""
+    lib = library()
+    dt = _DTYPES.get(residual.dtype)
+    wdt = _DTYPES.get(weight.dtype)
+    if lib is None or dt is None or wdt is None or (x is not None and x.dtype != residual.dtype) or \
+            not _usable(residual, weight, *(() if x is None else (x,))) or \
+            (x is not None and x.shape != residual.shape) or weight.shape != residual.shape[-1:]:
+        return None
+    h = residual.shape[-1]
+    out = torch.empty_like(residual)
+    new_residual = residual if x is None else torch.empty_like(residual)
+    lib.li_add_rms_norm(None if x is None else x.data_ptr(), residual.data_ptr(),
+                        None if x is None else new_residual.data_ptr(), weight.data_ptr(), wdt, out.data_ptr(),
+                        residual.numel() // max(h, 1), h, eps, dt, torch.get_num_threads())
+    return out, new_residual
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """``x [..., 2 I]`` -> ``silu(x[..., :I]) * x[..., I:]`` in fp32, rounded once; None where it does not apply."""
+    lib = library()
+    dt = _DTYPES.get(x.dtype)
+    if lib is None or dt is None or not _usable(x) or x.shape[-1] % 2:
+        return None
+    inter = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype)
+    lib.li_silu_mul(x.data_ptr(), out.data_ptr(), x.numel() // max(2 * inter, 1), inter, dt, torch.get_num_threads())
+    return out
+
+
+# PagedKV id -> (the object, cache dtype code, pointers): a layer's cache tensors live as long as the engine
+_kv_args: dict[int, tuple[PagedKV, int, tuple[int | None, ...]] | tuple[PagedKV, None, None]] = {}
+
+
+def _cache_args(kv: PagedKV) -> tuple[int | None, tuple[int | None, ...] | None]:
+    """``(cache dtype code, (k, v, k_scale, k_zero, v_scale, v_zero) pointers)``, or ``(None, None)`` for a
+    layout the C ops do not read (strided, fp16). Worked out once per cache object."""
+    hit = _kv_args.get(id(kv))
+    if hit is not None and hit[0] is kv:
+        return hit[1], hit[2]
+    cdt = _I8 if kv.is_int8 else _DTYPES.get(kv.dtype)
+    if cdt is None or not _usable(*kv.tensors()):
+        entry: tuple = (kv, None, None)
+    else:
+        entry = (kv, cdt, tuple(t.data_ptr() if t is not None else None for t in (kv.k, kv.v, *kv.scales)))
+    if len(_kv_args) > 4096:  # caches of engines that are gone
+        _kv_args.clear()
+    _kv_args[id(kv)] = entry
+    return entry[1], entry[2]
+
+
+_scratch = threading.local()
+
+
+def _scratch_buffer(numel: int) -> torch.Tensor:
+    """A per-thread fp32 work buffer of at least ``numel`` values, kept between calls."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch.buf = torch.empty(max(numel, 1 << 16), dtype=torch.float32)
+    return buf
+
+
+def rope_store(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+               cos_cache: torch.Tensor, sin_cache: torch.Tensor, kv: PagedKV,
+               slot_mapping: torch.Tensor) -> torch.Tensor | None:
+    """``cpu_fused.rope_store_kvcache`` for whole-head rotation: q ``[T, H, D]`` returned, k and v stored.
+    None where it does not apply (partial rotary, fp16, non-int64 positions or slots, a strided input)."""
+    lib = library()
+    dt = _DTYPES.get(qkv.dtype)
+    d = kv.head_dim
+    if lib is None or dt is None or qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.requires_grad or \
+            qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d or cos_cache.dtype != torch.float32 or \
+            sin_cache.dtype != torch.float32 or cos_cache.shape[-1] * 2 != d or positions.dtype != torch.int64 or \
+            slot_mapping.dtype != torch.int64 or not _usable(positions, slot_mapping, cos_cache, sin_cache):
+        return None
+    cdt, ptrs = _cache_args(kv)
+    if cdt is None:
+        return None
+    t = qkv.shape[0]
+    limit = kv.num_blocks * kv.block_size
+    # the C op indexes the tables and the cache with these: out of range would be out of bounds
+    if not _checked_once("rope", (positions, slot_mapping, cos_cache), lambda: t == 0 or (
+            positions.shape == (t,) and slot_mapping.shape == (t,) and int(positions.min()) >= 0 and
+            int(positions.max()) < cos_cache.shape[0] and int(slot_mapping.max()) < limit)):
+        return None
+    q = torch.empty(t, num_heads, d, dtype=qkv.dtype)
+    lib.li_rope_store(qkv.data_ptr(), dt, t, qkv.stride(0), num_heads, num_kv_heads, d, positions.data_ptr(),
+                      cos_cache.data_ptr(), sin_cache.data_ptr(), slot_mapping.data_ptr(), ptrs[0], ptrs[1], cdt,
+                      *ptrs[2:], q.data_ptr())
+    return q
+
+
+def attend_decode(q: torch.Tensor, kv: PagedKV, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                  scale: float) -> torch.Tensor | None:
+    """``torch_cpu.paged_attention_decode`` without a window or soft-cap: q ``[B, H, D]`` -> ``[B, H, D]``.
+    None where it does not apply."""
+    lib = library()
+    dt = _DTYPES.get(q.dtype)
+    if lib is None or dt is None or q.dim() != 3 or block_tables.dtype != torch.int32 or \
+            context_lens.dtype != torch.int32 or not _usable(q, block_tables, context_lens):
+        return None
+    cdt, ptrs = _cache_args(kv)
+    if cdt is None:
+        return None
+    b, h, d = q.shape
+    hkv = kv.num_kv_heads
+    if h % hkv or d != kv.head_dim:
+        return None
+    if b == 0:
+        return torch.empty_like(q)
+
+    def check() -> int:  # the longest context, or -1 when a table or length is out of range
+        if block_tables.dim() != 2 or block_tables.shape[0] != b or context_lens.shape != (b,):
+            return -1
+        longest, shortest = int(context_lens.max()), int(context_lens.min())
+        if shortest < 1 or longest > block_tables.shape[1] * kv.block_size:
+            return -1
+        used = block_tables[:, : (longest + kv.block_size - 1) // kv.block_size]
+        needed = torch.arange(used.shape[1]).unsqueeze(0) * kv.block_size < context_lens.unsqueeze(1)
+        picked = used[needed]
+        if picked.numel() and (int(picked.min()) < 0 or int(picked.max()) >= kv.num_blocks):
+            return -1
+        return longest
+
+    longest = _checked_once("attend", (block_tables, context_lens), check)
+    if longest < 0:
+        return None
+    threads = torch.get_num_threads()
+    g = h // hkv
+    scratch = _scratch_buffer(threads * (g * longest + 2 * g * d))
+    out = torch.empty_like(q)
+    lib.li_attend_decode(q.data_ptr(), dt, b, h, hkv, d, scale, block_tables.data_ptr(), block_tables.shape[1],
+                         context_lens.data_ptr(), kv.block_size, ptrs[0], ptrs[1], cdt, *ptrs[2:], out.data_ptr(),
+                         scratch.data_ptr(), longest, threads)
+    return out

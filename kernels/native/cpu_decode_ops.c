@@ -1,0 +1,325 @@
+/* The CPU engine's per-layer small ops in C: one call where torch needs five to forty.
+ *
+ * Built at first use by kernels/cpu_native.py (cc -O3 -march=native -ffp-contract=off, see FLAGS in cpu_native.py) and called
+ * through ctypes; every function takes raw pointers to contiguous tensors and plain ints. The results are the
+ * torch_cpu backend's (kernels/cpu_fused.py, kernels/torch_cpu.py) up to fp32 summation order:
+ *
+ *   li_add_rms_norm   residual = x + residual (rounded to the activation dtype), out = RMSNorm(residual) * w
+ *   li_silu_mul       out = silu(gate) * up, computed in fp32, rounded once
+ *   li_rope_store     rotate-half RoPE of q and k (each product and sum rounded as torch rounds them: no
+ *                     fused multiply-add), k and v written at their cache slots (INT8: per token and head,
+ *                     asymmetric, exactly reference.quantize_kv_int8)
+ *   li_attend_decode  one query per sequence against its paged context, GQA without repeating K/V
+ *
+ * Activation and cache dtypes: DT_F32, DT_BF16 (and DT_I8 for a cache). fp16 activations are not handled
+ * here (the torch path takes them).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_I8 = 2 };
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* round to nearest even, as torch's .to(torch.bfloat16); NaN stays NaN (a select, so loops vectorise) */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, nan = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else { /* subnormal: normalise */
+            int e = -1;
+            do { man <<= 1; e++; } while (!(man & 0x400u));
+            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else {
+        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* round to nearest even, overflow to inf, as torch's .to(torch.float16) */
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to >= 65520: inf */
+    if (a < 0x38800000u) {                                    /* below the smallest normal half: subnormal */
+        if (a < 0x33000000u) return (uint16_t)sign;           /* below half the smallest subnormal */
+        uint32_t man = (a & 0x7fffffu) | 0x800000u;
+        int shift = 126 - (int)(a >> 23); /* 14 + (113 - exp) */
+        uint32_t half = man >> shift, rest = man & ((1u << shift) - 1), mid = 1u << (shift - 1);
+        if (rest > mid || (rest == mid && (half & 1u))) half++;
+        return (uint16_t)(sign | half);
+    }
+    uint32_t h = ((a >> 13) - (112u << 10)), rest = a & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h++;
+    return (uint16_t)(sign | h);
+}
+
+/* n values of a dtype-dt array from element off, to fp32 (and back): one loop per dtype so each vectorises */
+static inline void to_f32(const void* p, int dt, size_t off, int n, float* restrict out) {
+    if (dt == DT_BF16) {
+        const uint16_t* restrict src = (const uint16_t*)p + off;
+        uint32_t* restrict bits = (uint32_t*)out;
+        for (int i = 0; i < n; i++) bits[i] = (uint32_t)src[i] << 16;
+    } else {
+        memcpy(out, (const float*)p + off, sizeof(float) * (size_t)n);
+    }
+}
+
+static inline void from_f32(void* p, int dt, size_t off, int n, const float* restrict in) {
+    if (dt == DT_BF16) {
+        uint16_t* restrict dst = (uint16_t*)p + off;
+        for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(in[i]);
+    } else {
+        memcpy((float*)p + off, in, sizeof(float) * (size_t)n);
+    }
+}
+
+/* rounds n values in place as a dtype-dt array would hold them */
+static inline void round_to(int dt, int n, float* restrict v) {
+    if (dt != DT_BF16) return;
+    uint32_t* restrict bits = (uint32_t*)v;
+    for (int i = 0; i < n; i++) bits[i] = (uint32_t)f32_to_bf16(v[i]) << 16;
+}
+
+/* loop over rows in parallel only when there is enough work to pay for waking the threads */
+#define PARALLEL_MIN 32768
+
+/* exp(x), ~1 ulp, branch-free so that loops over it vectorise: 2^n * p(r), r = x - n ln2, |r| <= ln2 / 2.
+ * x is clamped to [-87.3, 88.7] (the normal fp32 range): below, 1.2e-38 stands for 0. */
+static inline float exp_approx(float x) {
+    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+    /* round to nearest even by adding and taking away 1.5 * 2^23: unlike nearbyintf this vectorises */
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, 4);
+    return p * two_n;
+}
+
+/* x, residual, out, residual_out: [rows, h] of dtype dt (x may be NULL: no add, residual_out unused);
+ * weight [h] of dtype wdt. */
+void li_add_rms_norm(const void* x, const void* residual, void* residual_out, const void* weight, int wdt,
+                     void* out, int rows, int h, float eps, int dt, int nthreads) {
+    float w[h];
+    to_f32(weight, wdt, 0, h, w);
+    int threads = (long)rows * h < PARALLEL_MIN ? 1 : nthreads;
+#pragma omp parallel for num_threads(threads) if (threads > 1)
+    for (int r = 0; r < rows; r++) {
+        size_t base = (size_t)r * h;
+        float v[h], a[h];
+        to_f32(residual, dt, base, h, v);
+        if (x) {
+            to_f32(x, dt, base, h, a);
+            for (int i = 0; i < h; i++) v[i] += a[i];
+            round_to(dt, h, v);
+            from_f32(residual_out, dt, base, h, v);
+        }
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int i = 0; i < h; i++) ss += v[i] * v[i];
+        float rstd = 1.0f / sqrtf(ss / (float)h + eps);
+        for (int i = 0; i < h; i++) a[i] = v[i] * rstd * w[i];
+        from_f32(out, dt, base, h, a);
+    }
+}
+
+/* x [rows, 2 * inter] (gate | up), out [rows, inter], both dtype dt */
+void li_silu_mul(const void* x, void* out, int rows, int inter, int dt, int nthreads) {
+    int threads = (long)rows * inter < PARALLEL_MIN ? 1 : nthreads;
+#pragma omp parallel for num_threads(threads) if (threads > 1)
+    for (int r = 0; r < rows; r++) {
+        float g[inter], u[inter];
+        to_f32(x, dt, (size_t)r * 2 * inter, inter, g);
+        to_f32(x, dt, (size_t)r * 2 * inter + inter, inter, u);
+#pragma omp simd
+        for (int i = 0; i < inter; i++) g[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+        from_f32(out, dt, (size_t)r * inter, inter, g);
+    }
+}
+
+/* Per-row asymmetric INT8 of x [d] (reference.quantize_kv_int8): codes, fp16 scale and zero. */
+static void quantize_row(const float* x, int d, int8_t* q, uint16_t* scale_out, uint16_t* zero_out) {
+    float lo = x[0], hi = x[0];
+    for (int i = 1; i < d; i++) {
+        lo = x[i] < lo ? x[i] : lo;
+        hi = x[i] > hi ? x[i] : hi;
+    }
+    float scale = (hi - lo) / 255.0f;
+    if (!(scale > 0.0f)) scale = 1.0f;
+    uint16_t s16 = f32_to_f16(scale);
+    scale = f16_to_f32(s16);
+    uint16_t z16 = f32_to_f16(lo + 128.0f * scale);
+    float zero = f16_to_f32(z16);
+    for (int i = 0; i < d; i++) {
+        float v = nearbyintf((x[i] - zero) / scale);
+        v = v < -128.0f ? -128.0f : (v > 127.0f ? 127.0f : v);
+        q[i] = (int8_t)v;
+    }
+    *scale_out = s16;
+    *zero_out = z16;
+}
+
+/* qkv [T, row_stride] (q | k | v heads, dtype dt), positions int64 [T], cos/sin fp32 [max_pos, D / 2].
+ * Writes q_out [T, H, D] (dtype dt, rotated), and k (rotated, rounded to dt) and v at slots int64 [T]
+ * (-1: skipped) of the caches k_cache / v_cache [slots, Hkv, D] of dtype cdt; an INT8 cache (cdt DT_I8)
+ * also gets fp16 scales / zeros [slots, Hkv]. */
+void li_rope_store(const void* qkv, int dt, int T, int row_stride, int H, int Hkv, int D, const int64_t* positions,
+                   const float* cos_cache, const float* sin_cache, const int64_t* slots, void* k_cache,
+                   void* v_cache, int cdt, uint16_t* k_scale, uint16_t* k_zero, uint16_t* v_scale, uint16_t* v_zero,
+                   void* q_out) {
+    const int half = D / 2;
+    for (int t = 0; t < T; t++) {
+        const float* c = cos_cache + (size_t)positions[t] * half;
+        const float* s = sin_cache + (size_t)positions[t] * half;
+        size_t row = (size_t)t * row_stride;
+        int64_t slot = slots ? slots[t] : -1;
+        for (int hh = 0; hh < H + 2 * Hkv; hh++) {
+            float x[D], y[D];
+            to_f32(qkv, dt, row + (size_t)hh * D, D, x);
+            if (hh < H + Hkv) { /* q or k: x * [cos, cos] + roll(x, D/2) * [-sin, sin], rounded to dt */
+                for (int i = 0; i < half; i++) {
+                    float a = x[i] * c[i], b = x[i + half] * -s[i];
+                    y[i] = a + b;
+                    float a2 = x[i + half] * c[i], b2 = x[i] * s[i];
+                    y[i + half] = a2 + b2;
+                }
+                round_to(dt, D, y);
+            } else {
+                memcpy(y, x, sizeof(float) * D);
+            }
+            if (hh < H) {
+                from_f32(q_out, dt, ((size_t)t * H + hh) * D, D, y);
+                continue;
+            }
+            if (slot < 0) continue;
+            int kvh = hh < H + Hkv ? hh - H : hh - H - Hkv;
+            void* cache = hh < H + Hkv ? k_cache : v_cache;
+            size_t at = ((size_t)slot * Hkv + kvh);
+            if (cdt == DT_I8) {
+                uint16_t* sc = hh < H + Hkv ? k_scale : v_scale;
+                uint16_t* zr = hh < H + Hkv ? k_zero : v_zero;
+                quantize_row(y, D, (int8_t*)cache + at * D, sc + at, zr + at);
+            } else {
+                from_f32(cache, cdt, at * D, D, y);
+            }
+        }
+    }
+}
+
+/* One sequence and KV head: the G = H / Hkv query heads sharing it, over L cached tokens. */
+static void attend_one(const float* q, int G, int D, float scale, const int32_t* blocks, int L, int block_size,
+                       int Hkv, int kvh, const void* k_cache, const void* v_cache, int cdt, const uint16_t* k_scale,
+                       const uint16_t* k_zero, const uint16_t* v_scale, const uint16_t* v_zero, float* scores,
+                       float* acc) {
+    float row[D];
+    for (int t = 0; t < L; t++) {
+        size_t at = ((size_t)blocks[t / block_size] * block_size + t % block_size) * Hkv + kvh;
+        if (cdt == DT_I8) {
+            const int8_t* k = (const int8_t*)k_cache + at * D;
+            float sc = f16_to_f32(k_scale[at]), zr = f16_to_f32(k_zero[at]);
+            for (int i = 0; i < D; i++) row[i] = (float)k[i] * sc + zr;
+        } else {
+            to_f32(k_cache, cdt, at * D, D, row);
+        }
+        for (int g = 0; g < G; g++) {
+            const float* qg = q + (size_t)g * D;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int i = 0; i < D; i++) dot += qg[i] * row[i];
+            scores[(size_t)g * L + t] = dot * scale;
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float* sg = scores + (size_t)g * L;
+        float m = sg[0];
+        for (int t = 1; t < L; t++) m = sg[t] > m ? sg[t] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int t = 0; t < L; t++) {
+            sg[t] = exp_approx(sg[t] - m);
+            sum += sg[t];
+        }
+        float inv = 1.0f / sum;
+        for (int t = 0; t < L; t++) sg[t] *= inv;
+        memset(acc + (size_t)g * D, 0, sizeof(float) * D);
+    }
+    for (int t = 0; t < L; t++) {
+        size_t at = ((size_t)blocks[t / block_size] * block_size + t % block_size) * Hkv + kvh;
+        if (cdt == DT_I8) {
+            const int8_t* v = (const int8_t*)v_cache + at * D;
+            float sc = f16_to_f32(v_scale[at]), zr = f16_to_f32(v_zero[at]);
+            for (int i = 0; i < D; i++) row[i] = (float)v[i] * sc + zr;
+        } else {
+            to_f32(v_cache, cdt, at * D, D, row);
+        }
+        for (int g = 0; g < G; g++) {
+            float p = scores[(size_t)g * L + t];
+            float* ag = acc + (size_t)g * D;
+            for (int i = 0; i < D; i++) ag[i] += p * row[i];
+        }
+    }
+}
+
+/* q [B, H, D] (dtype dt) -> out [B, H, D] (dtype dt); block_tables int32 [B, bt_stride], context_lens int32 [B]
+ * (the new token included); caches as li_rope_store's. scratch: fp32, at least
+ * nthreads * (G * max_len + 2 * G * D) values. Parallel over (sequence, KV head) when worth it. */
+void li_attend_decode(const void* q, int dt, int B, int H, int Hkv, int D, float scale, const int32_t* block_tables,
+                      int bt_stride, const int32_t* context_lens, int block_size, const void* k_cache,
+                      const void* v_cache, int cdt, const uint16_t* k_scale, const uint16_t* k_zero,
+                      const uint16_t* v_scale, const uint16_t* v_zero, void* out, float* scratch, int max_len,
+                      int nthreads) {
+    const int G = H / Hkv;
+    const size_t per_thread = (size_t)G * max_len + 2 * (size_t)G * D;
+    long work = 0;
+    for (int b = 0; b < B; b++) work += context_lens[b];
+    int threads = (work * H * D < 200000 || nthreads < 1) ? 1 : nthreads;
+    (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
+    for (int item = 0; item < B * Hkv; item++) {
+        int b = item / Hkv, kvh = item % Hkv;
+#ifdef _OPENMP
+        float* mine = scratch + per_thread * (size_t)omp_get_thread_num();
+#else
+        float* mine = scratch;
+#endif
+        float* qf = mine + (size_t)G * max_len;
+        float* acc = qf + (size_t)G * D;
+        to_f32(q, dt, ((size_t)b * H + kvh * G) * D, G * D, qf);
+        attend_one(qf, G, D, scale, block_tables + (size_t)b * bt_stride, context_lens[b], block_size, Hkv, kvh,
+                   k_cache, v_cache, cdt, k_scale, k_zero, v_scale, v_zero, mine, acc);
+        from_f32(out, dt, ((size_t)b * H + kvh * G) * D, G * D, acc);
+    }
+}
