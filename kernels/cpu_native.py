@@ -30,7 +30,9 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -61,10 +63,15 @@ class NativeBuildError(RuntimeError):
     """The C compiler failed; the message holds its command and output."""
 
 
-def cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/lightinfer/native`` or ``~/.cache/lightinfer/native``."""
+def user_cache_dir() -> Path:
+    """lightinfer's cache folder: ``$XDG_CACHE_HOME/lightinfer`` or ``~/.cache/lightinfer``."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "lightinfer" / "native"
+    return Path(base) / "lightinfer"
+
+
+def cache_dir() -> Path:
+    """Where the compiled ops are kept: ``native`` in :func:`user_cache_dir`."""
+    return user_cache_dir() / "native"
 
 
 def find_compiler() -> str | None:
@@ -157,10 +164,11 @@ def _usable(*tensors: torch.Tensor) -> bool:
     return all(t.is_cpu and t.is_contiguous() and not t.requires_grad for t in tensors)
 
 
-def _checked_once(kind: str, keys: tuple[torch.Tensor, ...], check) -> bool:
-    """``check()`` once per step for these tensors (the step memo of ``cpu_fused``)."""
+def _checked_once(kind: str, keys: tuple[torch.Tensor, ...], extra: tuple, check: Callable[[], Any]) -> Any:
+    """``check()`` once per step for these tensors and the sizes in ``extra`` it also depends on (the step
+    memo of ``cpu_fused``)."""
     from .cpu_fused import step_memo
-    return step_memo.get(f"native:{kind}", keys, (), check)
+    return step_memo.get(f"native:{kind}", keys, extra, check)
 
 
 def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
@@ -247,7 +255,7 @@ def rope_store(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_k
     t = qkv.shape[0]
     limit = kv.num_blocks * kv.block_size
     # the C op indexes the tables and the cache with these: out of range would be out of bounds
-    if not _checked_once("rope", (positions, slot_mapping, cos_cache), lambda: t == 0 or (
+    if not _checked_once("rope", (positions, slot_mapping, cos_cache), (t, limit), lambda: t == 0 or (
             positions.shape == (t,) and slot_mapping.shape == (t,) and int(positions.min()) >= 0 and
             int(positions.max()) < cos_cache.shape[0] and int(slot_mapping.max()) < limit)):
         return None
@@ -290,7 +298,7 @@ def attend_decode(q: torch.Tensor, kv: PagedKV, block_tables: torch.Tensor, cont
             return -1
         return longest
 
-    longest = _checked_once("attend", (block_tables, context_lens), check)
+    longest = _checked_once("attend", (block_tables, context_lens), (b, kv.block_size, kv.num_blocks), check)
     if longest < 0:
         return None
     threads = torch.get_num_threads()

