@@ -43,11 +43,23 @@ def _open(browser: Any, url: str, temperature: str | None = "0", max_new_tokens:
     page.get_by_placeholder("Type a message...").wait_for(timeout=30_000)
     page.get_by_text("Sampling").click()
     if temperature is not None:
-        page.get_by_label("number input for Temperature (0 = greedy)").fill(temperature)
-    box = page.get_by_label("number input for Max new tokens")
-    box.fill(max_new_tokens)
-    box.press("Tab")  # commits the value
+        _set_slider(page, "Temperature (0 = greedy)", temperature)
+    _set_slider(page, "Max new tokens", max_new_tokens)
     return page
+
+
+def _set_slider(page: Any, label: str, value: str) -> None:
+    """Type ``value`` into a slider's number box and check that it held: Gradio sometimes resets a slider that
+    was set in the moment its just-opened panel mounts (seen 1 time in 8 on these machines), and the test then
+    ran with the default (256 new tokens) instead of the value asked for."""
+    box = page.get_by_label(f"number input for {label}")
+    for _ in range(10):
+        box.fill(value)
+        box.press("Tab")  # commits the value
+        time.sleep(0.3)
+        if box.input_value() == value and page.get_by_label(f"range slider for {label}").input_value() == value:
+            return
+    raise AssertionError(f"the {label!r} slider did not keep {value}")
 
 
 def _send(page: Any, text: str) -> None:
