@@ -107,15 +107,23 @@ def int4pack_for_cpu(group_size: int) -> Callable[[torch.Tensor, Quant4], Candid
     return build
 
 
-def lightinfer_w4(w: torch.Tensor, q4: Quant4) -> Candidate:
+def lightinfer_w4(w4a8: bool) -> Callable[[torch.Tensor, Quant4], Candidate]:
     """What lightinfer's CPU engine runs for a W4 layer (``kernels/cpu_lowbit.py``): the W4 run-time layout
-    prepared once for torch's int4 GEMM (bf16 activations), the cast in and out included."""
-    from lightinfer.kernels import cpu_quant_linear, pack_int4_rows, prepare_w4_cpu
+    prepared once, the casts in and out included; ``w4a8``: the C product with int8 activations per block of
+    32 (the default), else torch's int4 GEMM with bf16 activations (``LIGHTINFER_CPU_W4A8=0``)."""
 
-    prepared = prepare_w4_cpu(pack_int4_rows(q4.q.to(torch.int32)), q4.s.t().contiguous(), q4.z.t().contiguous())
-    if prepared is None:
-        raise RuntimeError("torch's CPU int4 GEMM cannot take this shape")
-    return Candidate(lambda x: cpu_quant_linear(x, prepared), prepared.nbytes, q4.dequantize())
+    def build(w: torch.Tensor, q4: Quant4) -> Candidate:
+        from lightinfer.kernels import cpu_quant_linear, pack_int4_rows, prepare_w4_cpu, switches
+        from lightinfer.kernels.cpu_lowbit import CpuW4A8Weight
+
+        with switches.override(cpu_w4a8=w4a8):
+            prepared = prepare_w4_cpu(pack_int4_rows(q4.q.to(torch.int32)), q4.s.t().contiguous(),
+                                      q4.z.t().contiguous())
+        if prepared is None or isinstance(prepared, CpuW4A8Weight) != w4a8:
+            raise RuntimeError("this layout cannot take the shape here (or the C library is unavailable)")
+        return Candidate(lambda x: cpu_quant_linear(x, prepared), prepared.nbytes, q4.dequantize())
+
+    return build
 
 
 def lightinfer_w8(w: torch.Tensor, q4: Quant4) -> Candidate:

@@ -13,6 +13,15 @@ A weight is converted once, at load time, by :func:`prepare_w4` / :func:`prepare
   ``w4_layout.py``): torch's packed codes plus ``[K // G, N, 2]`` bf16 (scale, offset) pairs, where torch's
   kernel computes ``w = (q - 8) * scale + offset``; our ``w = (q - z) * s`` is that with
   ``offset = (8 - z) * s`` (exact for fractional zeros too, up to bf16 rounding).
+* **W4 with int8 activations** (``LIGHTINFER_CPU_W4A8=1``, where the C library of ``cpu_native.py`` builds): the same codes
+  in that library's own layout (:class:`CpuW4A8Weight`: codes interleaved by 8 blocks of 32, fp16 ``(d, m)``
+  per group, no more bytes than torch's) for ``cpu_native.w4a8_linear``, which quantizes each 32 activations
+  to int8 (llama.cpp's Q8 activations) and multiplies with integer dot-product instructions; from
+  ``cpu_native.W4_DENSE_ROWS`` rows (a prefill) it dequantizes the weight by slices and uses torch's fp32
+  GEMM instead. Its twin is ``reference.w4a8_gemm``. Not the default: held-out perplexity moves only
+  +0.1% against bf16 activations, but greedy answers of a small model fork more often (SmolLM2 answers the
+  README's question "What is the capital of France?" with "L'Étoile, la Marseur, ..." instead of "The capital
+  of France is Paris."), for 5-10% of decode speed on an AVX-512 CPU (``docs/cpu_performance.md``).
 * **W8** (GGUF Q8_0 / Q5_* / Q6_K, 8-bit GPTQ; the W8 layout of ``reference.py``): each int8 code splits
   exactly into two 4-bit codes, ``q = 16 * hi + lo`` with ``hi = q >> 4`` in -8..7 and ``lo = q & 15``, so
   ``(q - z) * s = (hi_code - 8) * 16 s + (lo_code - 8) * s + (8 - z) * s``: two int4 weights stacked along
@@ -41,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cpu_native, switches
 from .w4_layout import unpack_int4_rows
 
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # what torch's CPU int4 GEMM takes (largest first)
@@ -124,16 +134,77 @@ def _scale_offset(scales: torch.Tensor, offsets: torch.Tensor, group_size: int, 
     return pairs.to(COMPUTE_DTYPE).contiguous()
 
 
+@dataclass
+class CpuW4A8Weight:
+    """A 4-bit weight for the C product with int8 activations (``cpu_native.w4a8_linear``). Opaque to callers.
+
+    Attributes:
+        out_features, in_features: N and K.
+        packed: uint8 ``[N, K / 2]``, the codes in ``cpu_native.w4_pack``'s layout.
+        dm: fp16 ``[N, 2, K / group_size]``: each row's scales ``d`` then offsets ``m``, ``w = d * q + m`` per
+            group (``d = s``, ``m = -z s``).
+        group_size: G, a multiple of 32.
+        input_perm: as :class:`CpuQuantWeight`'s.
+    """
+
+    out_features: int
+    in_features: int
+    packed: torch.Tensor
+    dm: torch.Tensor
+    group_size: int
+    input_perm: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (codes, scales and offsets)."""
+        return self.packed.numel() + self.dm.numel() * 2
+
+
+_FP16_MAX, _FP16_TINY = 65504.0, 2.0 ** -14  # a (d, m) outside fp16's normal range keeps torch's layout
+
+
+def _prepare_w4a8(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                  input_perm: torch.Tensor | None) -> CpuW4A8Weight | None:
+    """The C product's layout, or None where it does not apply (switched off, no C library, K or G not a
+    multiple of 32, or scales fp16 would round badly: AWQ and GGUF scales are fp16 already, exact here)."""
+    n, k = qweight.shape[0], qweight.shape[1] * 8
+    group_size = k // scales.shape[0]
+    if not switches.current().cpu_w4a8 or k % cpu_native.W4_BLOCK or group_size % cpu_native.W4_BLOCK:
+        return None
+    s = scales.to(torch.float32)
+    m = -zeros.to(torch.float32) * s
+    small = s.abs()
+    if not bool(torch.isfinite(s).all() and torch.isfinite(m).all()) or float(small.max()) > _FP16_MAX or \
+            float(m.abs().max()) > _FP16_MAX or bool(((small < _FP16_TINY) & (small > 0)).any()):
+        return None
+    chunks = []
+    for start in range(0, n, _PACK_ROWS):  # bounded temporaries: one byte per code for _PACK_ROWS rows at a time
+        packed = cpu_native.w4_pack(_w4_codes(qweight, start, min(start + _PACK_ROWS, n)).to(torch.uint8))
+        if packed is None:
+            return None
+        chunks.append(packed)
+    dm = torch.stack([s.t(), m.t()], dim=1).to(torch.float16).contiguous()  # [N, 2, K / G]
+    return CpuW4A8Weight(n, k, torch.cat(chunks) if len(chunks) > 1 else chunks[0], dm, group_size,
+                         None if input_perm is None else input_perm.to(torch.int64))
+
+
 @torch.no_grad()
 def prepare_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-               input_perm: torch.Tensor | None = None) -> CpuQuantWeight | None:
+               input_perm: torch.Tensor | None = None) -> CpuQuantWeight | CpuW4A8Weight | None:
     """The W4 run-time layout (``w4_layout.py``: int32 ``[N, K // 8]``, scales and zeros ``[K // G, N]``) in
     the form :func:`quant_linear` reads, or None where torch's int4 GEMM cannot take it (no such op in this
-    torch, ``N`` not a multiple of 16, or no kernel group dividing ``G``)."""
+    torch, ``N`` not a multiple of 16, or no kernel group dividing ``G``).
+
+    With the ``cpu_w4a8`` switch on (``LIGHTINFER_CPU_W4A8=1``) and the C library (``cpu_native``), a
+    :class:`CpuW4A8Weight` for the C product with int8 activations (module docstring); else torch's int4 GEMM
+    layout."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     group_size = k // scales.shape[0]
     if qweight.device.type != "cpu" or not lowbit_takes(4, n, k, group_size):
         return None
+    w4a8 = _prepare_w4a8(qweight, scales, zeros, input_perm)
+    if w4a8 is not None:
+        return w4a8
     kernel_group = _kernel_group(group_size, k)
     s = scales.to(torch.float32)
     offsets = (8.0 - zeros.to(torch.float32)) * s
@@ -262,7 +333,7 @@ def int8_linear(x: torch.Tensor, weight: CpuInt8Weight, bias: torch.Tensor | Non
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.out_features)
 
 
-def quant_linear(x: torch.Tensor, weight: CpuQuantWeight, bias: torch.Tensor | None = None,
+def quant_linear(x: torch.Tensor, weight: CpuQuantWeight | CpuW4A8Weight, bias: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``y = x @ W^T (+ bias)`` for a prepared low-bit ``weight``.
 
@@ -278,6 +349,20 @@ def quant_linear(x: torch.Tensor, weight: CpuQuantWeight, bias: torch.Tensor | N
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if weight.input_perm is not None:
         x2 = x2.index_select(1, weight.input_perm)
+    if type(weight) is CpuW4A8Weight:
+        out_dtype = out_dtype or x.dtype
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        if x2.dtype not in (torch.float32, torch.bfloat16):
+            x2 = x2.to(torch.float32)
+        y = cpu_native.w4a8_linear(x2, weight.packed, weight.dm, weight.group_size,
+                                   None if bias is None else bias.to(torch.float32),
+                                   out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32)
+        if y is None:
+            raise RuntimeError("the C 4-bit product is unavailable after its weight was prepared for it")
+        if y.dtype != out_dtype:
+            y = y.to(out_dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.out_features)
     if x2.dtype != COMPUTE_DTYPE:
         x2 = x2.to(COMPUTE_DTYPE)
     if not x2.is_contiguous():

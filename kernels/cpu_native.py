@@ -9,7 +9,10 @@ results up to fp32 summation order (``tests/kernels/test_cpu_native.py``):
 * :func:`add_rms_norm`: the residual add and RMSNorm (``cpu_fused.fused_add_rms_norm`` / ``rms_norm``);
 * :func:`silu_mul`: ``silu(gate) * up`` in fp32, rounded once;
 * :func:`rope_store`: RoPE of q and k, k and v written at their slots (bf16/fp32 or INT8 cache);
-* :func:`attend_decode`: one query per sequence over its paged context, parallel over sequences and KV heads.
+* :func:`attend_decode`: one query per sequence over its paged context, parallel over sequences and KV heads;
+* :func:`w4a8_linear` (``native/cpu_w4a8.c``): the 4-bit matrix product ``cpu_lowbit.py`` uses with
+  ``LIGHTINFER_CPU_W4A8=1``, 4-bit codes times activations quantized to int8 per block of 32, as llama.cpp
+  does on the CPU (not the torch ops' result: ``cpu_lowbit.py`` says what it costs).
 
 Each returns None where it does not apply (fp16 activations, partial rotary, a strided cache, ...) and the
 caller runs the torch ops instead. The library is built once per source, compiler and CPU with the system's
@@ -38,10 +41,11 @@ import torch
 
 from . import switches
 from .paged_kv import PagedKV
+from .step_memo import step_memo
 
 logger = logging.getLogger("lightinfer")
 
-SOURCE = Path(__file__).resolve().parent / "native" / "cpu_decode_ops.c"
+SOURCES = tuple(Path(__file__).resolve().parent / "native" / name for name in ("cpu_decode_ops.c", "cpu_w4a8.c"))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fno-strict-aliasing", "-shared", "-fPIC")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _I8 = 2
@@ -51,6 +55,9 @@ _SIGNATURES = {
     "li_silu_mul": (_P, _P, _I, _I, _I, _I),
     "li_rope_store": (_P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P),
     "li_attend_decode": (_P, _I, _I, _I, _I, _I, _F, _P, _I, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I, _I),
+    "li_w4_pack": (_P, _P, ctypes.c_long, _I),
+    "li_w4a8_linear": (_P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, _I),
+    "li_w4_dequant": (_P, _P, _I, _I, _I, _P, _I),
 }
 
 _lock = threading.Lock()
@@ -97,7 +104,7 @@ def _cpu_signature() -> str:
 
 
 def build(compiler: str, out: Path) -> float:
-    """Compile :data:`SOURCE` into the shared library ``out`` (written whole or not at all: a temporary file
+    """Compile :data:`SOURCES` into the shared library ``out`` (written whole or not at all: a temporary file
     renamed into place), with OpenMP if the compiler has it, else without. Returns the seconds it took.
 
     Raises:
@@ -108,7 +115,7 @@ def build(compiler: str, out: Path) -> float:
     for extra in (("-fopenmp",), ("-fopenmp-simd",)):
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        cmd = [compiler, *FLAGS, *extra, "-o", tmp, str(SOURCE)]
+        cmd = [compiler, *FLAGS, *extra, "-o", tmp, *map(str, SOURCES)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -146,7 +153,7 @@ def _load() -> ctypes.CDLL:
     compiler = find_compiler()
     if compiler is None:
         raise NativeBuildError("no C compiler found (set $CC, or install gcc or clang)")
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), compiler.encode(), " ".join(FLAGS).encode(),
+    key = hashlib.sha256(b"\0".join([*(src.read_bytes() for src in SOURCES), compiler.encode(), " ".join(FLAGS).encode(),
                                      _cpu_signature().encode(), torch.__version__.encode()])).hexdigest()[:16]
     path = cache_dir() / f"cpu_decode_ops-{key}.so"
     if not path.exists():
@@ -166,8 +173,7 @@ def _usable(*tensors: torch.Tensor) -> bool:
 
 def _checked_once(kind: str, keys: tuple[torch.Tensor, ...], extra: tuple, check: Callable[[], Any]) -> Any:
     """``check()`` once per step for these tensors and the sizes in ``extra`` it also depends on (the step
-    memo of ``cpu_fused``)."""
-    from .cpu_fused import step_memo
+    memo of ``step_memo.py``)."""
     return step_memo.get(f"native:{kind}", keys, extra, check)
 
 
@@ -309,3 +315,72 @@ def attend_decode(q: torch.Tensor, kv: PagedKV, block_tables: torch.Tensor, cont
                          context_lens.data_ptr(), kv.block_size, ptrs[0], ptrs[1], cdt, *ptrs[2:], out.data_ptr(),
                          scratch.data_ptr(), longest, threads)
     return out
+
+
+W4_BLOCK = 32  # the activation block of the 4-bit product (int8, one scale per 32 values, as llama.cpp's Q8)
+# From this many rows (a prefill) the weight is dequantized to fp32 into a per-thread buffer and multiplied by
+# torch's dense GEMM: measured faster than the block dot products there (bench/cpu_gemm.py), and exact.
+W4_DENSE_ROWS = 64
+W4_DENSE_FLOATS = 1 << 22  # the buffer's size cap (16 MB): larger layers are dequantized in slices of rows
+_dense = threading.local()
+
+
+def w4_pack(codes: torch.Tensor) -> torch.Tensor | None:
+    """uint8 codes ``[N, K]`` (0..15, one per byte) -> the 4-bit product's layout, uint8 ``[N, K / 2]``
+    (``native/cpu_w4a8.c``: blocks of 32 codes interleaved by 8, so that each int32 lane of a 32-byte vector
+    holds 4 codes of one block). None without the C library or when K is not a multiple of 32."""
+    lib = library()
+    if lib is None or codes.dtype != torch.uint8 or codes.dim() != 2 or codes.shape[1] % W4_BLOCK or \
+            not _usable(codes):
+        return None
+    packed = torch.empty(codes.shape[0], codes.shape[1] // 2, dtype=torch.uint8)
+    lib.li_w4_pack(codes.data_ptr(), packed.data_ptr(), codes.shape[0], codes.shape[1])
+    return packed
+
+
+def w4a8_linear(x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor, group_size: int,
+                bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """``y = x W^T (+ bias)`` with ``W = d * q + m`` per group of ``group_size`` along K and ``x`` quantized to
+    int8 per block of 32 (llama.cpp's Q4_1 x Q8 scheme; the offset term uses the exact fp32 sums of x). From
+    :data:`W4_DENSE_ROWS` rows on, ``W`` is dequantized to fp32 (slices of rows into a per-thread buffer of at most
+    :data:`W4_DENSE_FLOATS` floats) and torch's dense GEMM multiplies with unquantized ``x``.
+
+    Args:
+        x: ``[M, K]`` fp32 / bf16, contiguous.
+        packed: uint8 ``[N, K / 2]`` from :func:`w4_pack`.
+        dm: fp16 ``[N, 2, K / group_size]``: per row the group scales d, then the offsets m.
+        group_size: a multiple of 32 dividing K.
+        bias: fp32 ``[N]`` or None.
+        out_dtype: fp32 or bf16.
+    Returns:
+        ``[M, N]`` in ``out_dtype``, or None where the C op does not apply (the caller's other path runs).
+    """
+    lib = library()
+    xdt, ydt = _DTYPES.get(x.dtype), _DTYPES.get(out_dtype)
+    if lib is None or xdt is None or ydt is None or x.dim() != 2 or not _usable(x) or \
+            (bias is not None and (bias.dtype != torch.float32 or not _usable(bias))):
+        return None
+    m, k = x.shape
+    n = packed.shape[0]
+    if m >= W4_DENSE_ROWS:
+        rows = max(16, min(n, W4_DENSE_FLOATS // k))  # output rows dequantized at a time: bounded memory
+        buf = getattr(_dense, "buf", None)
+        if buf is None or buf.numel() < rows * k:
+            buf = _dense.buf = torch.empty(rows * k, dtype=torch.float32)
+        xf = x.to(torch.float32)
+        parts = []
+        for n0 in range(0, n, rows):
+            n1 = min(n, n0 + rows)
+            w = buf[: (n1 - n0) * k].view(n1 - n0, k)
+            lib.li_w4_dequant(packed[n0:n1].data_ptr(), dm[n0:n1].data_ptr(), group_size, n1 - n0, k, w.data_ptr(),
+                              torch.get_num_threads())
+            parts.append(torch.nn.functional.linear(xf, w, None if bias is None else bias[n0:n1]).to(out_dtype))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    y = torch.empty(m, n, dtype=out_dtype)
+    if m == 0:
+        return y
+    work = _scratch_buffer((m * k + 4 + 4 * m * (k // W4_BLOCK) + 4 * m * (k // group_size) + 3) // 4)
+    lib.li_w4a8_linear(x.data_ptr(), xdt, m, k, packed.data_ptr(), dm.data_ptr(), group_size, n,
+                       None if bias is None else bias.data_ptr(), y.data_ptr(), ydt, work.data_ptr(),
+                       torch.get_num_threads())
+    return y

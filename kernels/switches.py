@@ -15,7 +15,9 @@
                                the exact path, 4-8x the memory
 ``LIGHTINFER_CPU_NATIVE=0``    on a CPU, norms, RoPE + KV store, decode attention and SiLU·mul run
                                as torch ops instead of the C ops compiled at first use
-                               (``cpu_native.py``)
+                               (``cpu_native.py``), and 4-bit layers use torch's int4 GEMM
+``LIGHTINFER_CPU_W4A8=1``      on a CPU, 4-bit layers use the C product with int8 activations
+                               instead of torch's int4 GEMM with bf16 activations (``cpu_lowbit.py``)
 =============================  ==================================================================
 
 The environment is read at the first :func:`current` call and never again: a launch costs a dict
@@ -39,6 +41,7 @@ PDL_PREFETCH_ENV = "LIGHTINFER_PDL_PREFETCH"
 W4A16_CONFIGS_ENV = "LIGHTINFER_W4A16_CONFIGS"
 CPU_LOWBIT_ENV = "LIGHTINFER_CPU_LOWBIT"
 CPU_NATIVE_ENV = "LIGHTINFER_CPU_NATIVE"
+CPU_W4A8_ENV = "LIGHTINFER_CPU_W4A8"
 BACKEND_NAMES = ("triton", "torch_cpu", "reference")
 
 
@@ -54,6 +57,8 @@ class KernelSwitches:
         w4a16_configs: a tuned-config file path, ``"none"``, or None (the GPU model's own file).
         cpu_lowbit: on a CPU, 4-/8-bit layers with 16-bit activations stay low-bit (``cpu_lowbit.py``).
         cpu_native: on a CPU, the per-layer small ops use the C ops of ``cpu_native.py`` where they apply.
+        cpu_w4a8: on a CPU (with ``cpu_native``), 4-bit layers multiply with int8 activations per block of 32
+            in C (``cpu_lowbit.py``); off (the default), torch's int4 GEMM with bf16 activations.
     """
 
     backend: str | None = None
@@ -63,10 +68,12 @@ class KernelSwitches:
     w4a16_configs: str | None = None
     cpu_lowbit: bool = True
     cpu_native: bool = True
+    cpu_w4a8: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> KernelSwitches:
-        """Read the switches from ``environ``; a variable other than ``"0"`` leaves a flag on.
+        """Read the switches from ``environ``; a variable other than ``"0"`` leaves a flag on (``cpu_w4a8``, off
+        by default, is turned on by any value but ``"0"`` or empty).
 
         Raises:
             ValueError: ``LIGHTINFER_BACKEND`` names no backend.
@@ -81,7 +88,8 @@ class KernelSwitches:
                    pdl_prefetch=environ.get(PDL_PREFETCH_ENV, "1") != "0",
                    w4a16_configs=environ.get(W4A16_CONFIGS_ENV) or None,
                    cpu_lowbit=environ.get(CPU_LOWBIT_ENV, "1") != "0",
-                   cpu_native=environ.get(CPU_NATIVE_ENV, "1") != "0")
+                   cpu_native=environ.get(CPU_NATIVE_ENV, "1") != "0",
+                   cpu_w4a8=environ.get(CPU_W4A8_ENV, "0") not in ("", "0"))
 
 
 _current: KernelSwitches | None = None

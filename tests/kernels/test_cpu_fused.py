@@ -7,7 +7,7 @@ import torch
 
 from lightinfer.kernels import PagedKV, torch_cpu
 from lightinfer.kernels import reference as ref
-from lightinfer.kernels.cpu_fused import StepMemo
+from lightinfer.kernels.step_memo import StepMemo
 
 
 def test_norms_in_bf16_round_as_the_reference() -> None:

@@ -1,15 +1,25 @@
-"""The CPU low-bit GEMM (kernels/cpu_lowbit.py) against its reference twins (reference.w4a16_gemm / w8a16_gemm)."""
+"""The CPU low-bit GEMM on torch's kernels (kernels/cpu_lowbit.py with ``LIGHTINFER_CPU_W4A8=0``) against its
+reference twins (reference.w4a16_gemm / w8a16_gemm). The default W4 path, the C product with int8 activations,
+is held to its own twin in test_cpu_w4a8.py."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from lightinfer.kernels import cpu_quant_linear, pack_int4_rows, prepare_w4_cpu, prepare_w8_cpu
+from lightinfer.kernels import cpu_quant_linear, pack_int4_rows, prepare_w4_cpu, prepare_w8_cpu, switches
 from lightinfer.kernels import reference as ref
 from lightinfer.kernels.cpu_lowbit import int4_gemm_available
 
 pytestmark = pytest.mark.skipif(not int4_gemm_available(), reason="this torch has no CPU int4 GEMM")
+
+
+@pytest.fixture(autouse=True)
+def _torchs_int4_gemm() -> Iterator[None]:
+    with switches.override(cpu_w4a8=False):
+        yield
 
 
 def _w4(n: int, k: int, group: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
