@@ -110,7 +110,7 @@ def int4pack_for_cpu(group_size: int) -> Callable[[torch.Tensor, Quant4], Candid
 def lightinfer_w4(w4a8: bool) -> Callable[[torch.Tensor, Quant4], Candidate]:
     """What lightinfer's CPU engine runs for a W4 layer (``kernels/cpu_lowbit.py``): the W4 run-time layout
     prepared once, the casts in and out included; ``w4a8``: the C product with int8 activations per block of
-    32 (the default), else torch's int4 GEMM with bf16 activations (``LIGHTINFER_CPU_W4A8=0``)."""
+    32 (``LIGHTINFER_CPU_W4A8=1``), else torch's int4 GEMM with bf16 activations (the default)."""
 
     def build(w: torch.Tensor, q4: Quant4) -> Candidate:
         from lightinfer.kernels import cpu_quant_linear, pack_int4_rows, prepare_w4_cpu, switches

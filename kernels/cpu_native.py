@@ -45,7 +45,9 @@ from .step_memo import step_memo
 
 logger = logging.getLogger("lightinfer")
 
-SOURCES = tuple(Path(__file__).resolve().parent / "native" / name for name in ("cpu_decode_ops.c", "cpu_w4a8.c"))
+NATIVE_DIR = Path(__file__).resolve().parent / "native"
+SOURCES = (NATIVE_DIR / "cpu_decode_ops.c", NATIVE_DIR / "cpu_w4a8.c")  # compiled into one library
+HEADERS = (NATIVE_DIR / "cpu_convert.h",)  # included by them: part of the build's cache key
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fno-strict-aliasing", "-shared", "-fPIC")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _I8 = 2
@@ -153,7 +155,7 @@ def _load() -> ctypes.CDLL:
     compiler = find_compiler()
     if compiler is None:
         raise NativeBuildError("no C compiler found (set $CC, or install gcc or clang)")
-    key = hashlib.sha256(b"\0".join([*(src.read_bytes() for src in SOURCES), compiler.encode(), " ".join(FLAGS).encode(),
+    key = hashlib.sha256(b"\0".join([*(src.read_bytes() for src in SOURCES + HEADERS), compiler.encode(), " ".join(FLAGS).encode(),
                                      _cpu_signature().encode(), torch.__version__.encode()])).hexdigest()[:16]
     path = cache_dir() / f"cpu_decode_ops-{key}.so"
     if not path.exists():
@@ -319,7 +321,7 @@ def attend_decode(q: torch.Tensor, kv: PagedKV, block_tables: torch.Tensor, cont
 
 W4_BLOCK = 32  # the activation block of the 4-bit product (int8, one scale per 32 values, as llama.cpp's Q8)
 # From this many rows (a prefill) the weight is dequantized to fp32 into a per-thread buffer and multiplied by
-# torch's dense GEMM: measured faster than the block dot products there (bench/cpu_gemm.py), and exact.
+# torch's dense GEMM: measured faster than the block dot products there (bench/cpu_w4a8.py --gemm), and exact.
 W4_DENSE_ROWS = 64
 W4_DENSE_FLOATS = 1 << 22  # the buffer's size cap (16 MB): larger layers are dequantized in slices of rows
 _dense = threading.local()

@@ -32,52 +32,24 @@
 #define W4_AVX2 1
 #endif
 
-enum { W4_F32 = 0, W4_BF16 = 1 };
+#include "cpu_convert.h"
+
 #if defined(__AVX512VL__)
 #define W4_TILE 8 /* input rows that share one unpacked super-block: 8 + 8 + 8 vector registers of 32 */
 #else
 #define W4_TILE 4 /* of AVX2's 16 vector registers: 8 hold the codes, 4 the sums */
 #endif
-#define W4_NCHUNK 16
+#define W4_NCHUNK 16 /* output rows a thread takes at a time */
 #ifndef W4_AHEAD
 #define W4_AHEAD 12 /* output rows the software prefetch runs ahead of the dot products */
-#endif /* output rows a thread takes at a time */
+#endif
 
-static inline float w4_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t w4_to_bf16(float f) { /* round to nearest even, as torch */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, nan = (u >> 16) | 0x40u;
-    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-}
-
+/* fp16 -> fp32 in one instruction where the CPU has F16C (called per block of weights) */
 static inline float w4_half(uint16_t h) {
 #ifdef W4_AVX2
     return _cvtsh_ss(h);
 #else
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
-    if (exp == 0x1f) {
-        u = sign | 0x7f800000u | (man << 13);
-    } else if (exp == 0) {
-        if (man == 0) {
-            u = sign;
-        } else {
-            int e = -1;
-            do { man <<= 1; e++; } while (!(man & 0x400u));
-            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
-        }
-    } else {
-        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+    return f16_to_f32(h);
 #endif
 }
 
@@ -120,9 +92,9 @@ static void quantize_row_q8(const void* x, int dt, int K, int G, int8_t* xq, flo
     for (int g = 0; g < K / G; g++) sx[g] = 0.0f;
     for (int b = 0; b < K / 32; b++) {
         size_t off = (size_t)32 * b;
-        if (dt == W4_BF16) {
+        if (dt == DT_BF16) {
             const uint16_t* h = (const uint16_t*)x + off;
-            for (int j = 0; j < 32; j++) v[j] = w4_bf16(h[j]);
+            for (int j = 0; j < 32; j++) v[j] = bf16_to_f32(h[j]);
         } else {
             memcpy(v, (const float*)x + off, sizeof v);
         }
@@ -258,7 +230,7 @@ void li_w4a8_linear(const void* x, int xdt, int M, int K, const uint8_t* w, cons
     int8_t* xq = (int8_t*)work;
     float* dx = (float*)(xq + (size_t)M * K + ((4 - ((size_t)M * K) % 4) % 4));
     float* sx = dx + (size_t)M * nb;
-    size_t xstride = (size_t)K * (xdt == W4_BF16 ? 2 : 4);
+    size_t xstride = (size_t)K * (xdt == DT_BF16 ? 2 : 4);
     (void)nthreads;
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 8 && nthreads > 1)
     for (int r = 0; r < M; r++)
@@ -271,12 +243,12 @@ void li_w4a8_linear(const void* x, int xdt, int M, int K, const uint8_t* w, cons
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (work_units >= 65536 && nthreads > 1)
     for (int c = 0; c < chunks; c++) {
         int n0 = c * W4_NCHUNK, n1 = n0 + W4_NCHUNK < N ? n0 + W4_NCHUNK : N;
+        float dv[W4_NCHUNK * nb]; /* the chunk's scales per block, converted once for every tile of rows */
+        for (int n = n0; n < n1; n++) block_scales(dm + (size_t)n * ng * 2, K, G, dv + (size_t)(n - n0) * nb);
         for (int r0 = 0; r0 < M; r0 += W4_TILE) {
             int nr = M - r0 < W4_TILE ? M - r0 : W4_TILE;
             for (int n = n0; n < n1; n++) {
-                float acc[W4_TILE], b = bias ? bias[n] : 0.0f, dv[nb];
-                const uint16_t* dn = dm + (size_t)n * ng * 2;
-                block_scales(dn, K, G, dv);
+                float acc[W4_TILE], b = bias ? bias[n] : 0.0f;
 #ifdef W4_AVX2
                 if (r0 == 0 && n + W4_AHEAD < N) { /* cold weights: ask for the row W4_AHEAD ahead now */
                     const char* ahead = (const char*)(w + (size_t)(n + W4_AHEAD) * (K / 2));
@@ -284,12 +256,12 @@ void li_w4a8_linear(const void* x, int xdt, int M, int K, const uint8_t* w, cons
                     _mm_prefetch((const char*)(dm + (size_t)(n + W4_AHEAD) * ng * 2), _MM_HINT_T0);
                 }
 #endif
-                dot_tile(w + (size_t)n * (K / 2), dv, dn + ng, K, G, xq + (size_t)r0 * K,
-                         dx + (size_t)r0 * nb, sx + (size_t)r0 * ng, nr, acc);
+                dot_tile(w + (size_t)n * (K / 2), dv + (size_t)(n - n0) * nb, dm + (size_t)n * ng * 2 + ng, K, G,
+                         xq + (size_t)r0 * K, dx + (size_t)r0 * nb, sx + (size_t)r0 * ng, nr, acc);
                 for (int r = 0; r < nr; r++) {
                     size_t at = (size_t)(r0 + r) * N + n;
-                    if (ydt == W4_BF16)
-                        ((uint16_t*)y)[at] = w4_to_bf16(acc[r] + b);
+                    if (ydt == DT_BF16)
+                        ((uint16_t*)y)[at] = f32_to_bf16(acc[r] + b);
                     else
                         ((float*)y)[at] = acc[r] + b;
                 }
