@@ -55,8 +55,9 @@ def builders(args: argparse.Namespace) -> list[tuple[str, Any]]:
     out = [(BASELINE, C.fp32_linear), ("fp32 prepacked oneDNN (lightinfer today)", C.fp32_prepacked),
            ("bf16 F.linear", C.bf16_linear)]
     out += [(f"int4 _weight_int4pack_mm_for_cpu g{g} (bf16)", C.int4pack_for_cpu(g)) for g in (32, 64, 128)]
-    out += [(f"lightinfer W4 g{args.group_size} (cpu_lowbit: C W4A8, int8 act. per 32)", C.lightinfer_w4(True)),
-            (f"lightinfer W4 g{args.group_size} (cpu_lowbit: int4 GEMM, bf16)", C.lightinfer_w4(False)),
+    out += [(f"lightinfer W4 g{args.group_size} (cpu_lowbit: C product, int16 act. per 32)", C.lightinfer_w4("c")),
+            (f"lightinfer W4 g{args.group_size} (cpu_lowbit: C W4A8, int8 act. per 32)", C.lightinfer_w4("int8")),
+            (f"lightinfer W4 g{args.group_size} (cpu_lowbit: int4 GEMM, bf16)", C.lightinfer_w4("torch")),
             ("lightinfer W8 g32 (cpu_lowbit: two int4 halves, bf16)", C.lightinfer_w8)]
     out += [("int8 weight-only _weight_int8pack_mm (fp32)", C.int8_weight_only(torch.float32)),
             ("int8 weight-only _weight_int8pack_mm (bf16)", C.int8_weight_only(torch.bfloat16)),

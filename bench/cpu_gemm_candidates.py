@@ -107,19 +107,20 @@ def int4pack_for_cpu(group_size: int) -> Callable[[torch.Tensor, Quant4], Candid
     return build
 
 
-def lightinfer_w4(w4a8: bool) -> Callable[[torch.Tensor, Quant4], Candidate]:
+def lightinfer_w4(product: str) -> Callable[[torch.Tensor, Quant4], Candidate]:
     """What lightinfer's CPU engine runs for a W4 layer (``kernels/cpu_lowbit.py``): the W4 run-time layout
-    prepared once, the casts in and out included; ``w4a8``: the C product with int8 activations per block of
-    32 (``LIGHTINFER_CPU_W4A8=1``), else torch's int4 GEMM with bf16 activations (the default)."""
+    prepared once, the casts in and out included; ``product`` is a ``LIGHTINFER_CPU_W4`` value: ``c`` (the C
+    product, activations int16 per block of 32; the default), ``int8`` (the same with activations int8 per block of 32) or
+    ``torch`` (torch's int4 GEMM, bf16 activations)."""
 
     def build(w: torch.Tensor, q4: Quant4) -> Candidate:
         from lightinfer.kernels import cpu_quant_linear, pack_int4_rows, prepare_w4_cpu, switches
-        from lightinfer.kernels.cpu_lowbit import CpuW4A8Weight
+        from lightinfer.kernels.cpu_lowbit import CpuW4Weight
 
-        with switches.override(cpu_w4a8=w4a8):
+        with switches.override(cpu_w4=product):
             prepared = prepare_w4_cpu(pack_int4_rows(q4.q.to(torch.int32)), q4.s.t().contiguous(),
                                       q4.z.t().contiguous())
-        if prepared is None or isinstance(prepared, CpuW4A8Weight) != w4a8:
+        if prepared is None or isinstance(prepared, CpuW4Weight) == (product == "torch"):
             raise RuntimeError("this layout cannot take the shape here (or the C library is unavailable)")
         return Candidate(lambda x: cpu_quant_linear(x, prepared), prepared.nbytes, q4.dequantize())
 

@@ -1,27 +1,27 @@
-"""Low-bit weights on the CPU: 4- and 8-bit linears that stay 4-/8-bit in memory, through torch's own int4 GEMM.
+"""Low-bit weights on the CPU: 4- and 8-bit linears that stay 4-/8-bit in memory.
 
 The CPU matrix product of ``W4A16Linear`` / ``W8A16Linear`` (and of the experts of a MoE layer), chosen by
-measuring the candidates at SmolLM2's shapes (``bench/cpu_gemm.py``, ``docs/cpu_performance.md``): torch's
-``_weight_int4pack_mm_for_cpu`` (what the x86 and aarch64 torch wheels ship; AVX-512 / AVX2 micro-kernels,
-bf16 activations, fp32 accumulation) reads half a byte per weight and beats every dense fp32 or bf16 GEMM at
-the row counts of a decode step, and stays ahead of the fp32 one at prefill sizes.
-
-A weight is converted once, at load time, by :func:`prepare_w4` / :func:`prepare_w8` into a
-:class:`CpuQuantWeight` (opaque to callers), and used by :func:`quant_linear`:
+measuring the candidates at SmolLM2's shapes (``bench/cpu_gemm.py``, ``bench/cpu_w4.py``,
+``docs/cpu_performance.md``). A weight is converted once, at load time, by :func:`prepare_w4` /
+:func:`prepare_w8` into a form opaque to callers, and used by :func:`quant_linear`:
 
 * **W4** (AWQ, GPTQ, compressed-tensors, GGUF Q4_0/Q4_1/Q4_K, all already in the W4 run-time layout of
-  ``w4_layout.py``): torch's packed codes plus ``[K // G, N, 2]`` bf16 (scale, offset) pairs, where torch's
-  kernel computes ``w = (q - 8) * scale + offset``; our ``w = (q - z) * s`` is that with
-  ``offset = (8 - z) * s`` (exact for fractional zeros too, up to bf16 rounding).
-* **W4 with int8 activations** (``LIGHTINFER_CPU_W4A8=1``, where the C library of ``cpu_native.py`` builds): the same codes
-  in that library's own layout (:class:`CpuW4A8Weight`: codes interleaved by 8 blocks of 32, fp16 ``(d, m)``
-  per group, no more bytes than torch's) for ``cpu_native.w4a8_linear``, which quantizes each 32 activations
-  to int8 (llama.cpp's Q8 activations) and multiplies with integer dot-product instructions; from
-  ``cpu_native.W4_DENSE_ROWS`` rows (a prefill) it dequantizes the weight by slices and uses torch's fp32
-  GEMM instead. Its twin is ``reference.w4a8_gemm``. Not the default: held-out perplexity moves only
-  +0.1% against bf16 activations, but greedy answers of a small model fork more often (SmolLM2 answers the
-  README's question "What is the capital of France?" with "L'Étoile, la Marseur, ..." instead of "The capital
-  of France is Paris."), for 5-10% of decode speed on an AVX-512 CPU (``docs/cpu_performance.md``).
+  ``w4_layout.py``), ``LIGHTINFER_CPU_W4`` choosing the product:
+
+  - ``c`` (the default, where the C library of ``cpu_native.py`` builds): :class:`CpuW4Weight`, the codes in
+    that library's layout (blocks of 32 interleaved by 8) with fp16 ``(d, m)`` per group (no more bytes than
+    torch's layout), for ``cpu_native.w4_linear``: activations held as int16 per block of 32 for integer dot
+    products, within ~1e-5 of the exact product (twin ``reference.w4_act_gemm``); from
+    ``cpu_native.W4_DENSE_ROWS`` rows (a prefill) the weight is dequantized by slices for torch's fp32 GEMM,
+    0.6-0.7x the time of torch's int4 GEMM at 512 rows.
+  - ``int8``: the same weight, activations quantized to int8 per block of 32 (llama.cpp's Q8 activations;
+    twin ``reference.w4_act_gemm(..., bits=8)``). Not the default: each layer's output moves by ~1% (10% of
+    the logits' norm on SmolLM2, against 3% for the default), and greedy answers of a small model fork more
+    often, for a few percent of decode speed (``docs/cpu_performance.md``).
+  - ``torch`` (and where the C library does not build, or scales fp16 cannot hold): torch's
+    ``_weight_int4pack_mm_for_cpu`` (x86 and aarch64 wheels; bf16 activations, fp32 accumulation) on its packed
+    codes plus ``[K // G, N, 2]`` bf16 (scale, offset) pairs, where torch's kernel computes
+    ``w = (q - 8) * scale + offset``; our ``w = (q - z) * s`` is that with ``offset = (8 - z) * s``.
 * **W8** (GGUF Q8_0 / Q5_* / Q6_K, 8-bit GPTQ; the W8 layout of ``reference.py``): each int8 code splits
   exactly into two 4-bit codes, ``q = 16 * hi + lo`` with ``hi = q >> 4`` in -8..7 and ``lo = q & 15``, so
   ``(q - z) * s = (hi_code - 8) * 16 s + (lo_code - 8) * s + (8 - z) * s``: two int4 weights stacked along
@@ -30,7 +30,8 @@ A weight is converted once, at load time, by :func:`prepare_w4` / :func:`prepare
 torch's kernel takes group sizes 32, 64, 128 and 256 and ``N`` a multiple of 16; a larger group (e.g. one
 per output channel) is expressed with a smaller one by repeating its scale. Shapes it cannot take
 (a group of 16, as Q6_K's; ``N`` not a multiple of 16 for W4, of 8 for W8) get None from the prepare
-functions, and the layer keeps its exact dequantized fallback. The math is the reference twins'
+functions, and the layer keeps its exact dequantized fallback (the C products follow the same rule, so that
+the memory estimates hold whichever runs). The math of torch's paths is the reference twins'
 (``reference.w4a16_gemm`` / ``w8a16_gemm``), with bf16 activations: the tests hold them together.
 
 * **W8 LM head** (a vocabulary table, e.g. SmolLM2's tied Q8_0 embedding / head): requantized once to one
@@ -135,8 +136,8 @@ def _scale_offset(scales: torch.Tensor, offsets: torch.Tensor, group_size: int, 
 
 
 @dataclass
-class CpuW4A8Weight:
-    """A 4-bit weight for the C product with int8 activations (``cpu_native.w4a8_linear``). Opaque to callers.
+class CpuW4Weight:
+    """A 4-bit weight for the C product (``cpu_native.w4_linear``). Opaque to callers.
 
     Attributes:
         out_features, in_features: N and K.
@@ -145,6 +146,7 @@ class CpuW4A8Weight:
             group (``d = s``, ``m = -z s``).
         group_size: G, a multiple of 32.
         input_perm: as :class:`CpuQuantWeight`'s.
+        int8_activations: activations quantized to int8 per block of 32 (``LIGHTINFER_CPU_W4=int8``).
     """
 
     out_features: int
@@ -153,6 +155,7 @@ class CpuW4A8Weight:
     dm: torch.Tensor
     group_size: int
     input_perm: torch.Tensor | None = None
+    int8_activations: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -163,13 +166,14 @@ class CpuW4A8Weight:
 _FP16_MAX, _FP16_TINY = 65504.0, 2.0 ** -14  # a (d, m) outside fp16's normal range keeps torch's layout
 
 
-def _prepare_w4a8(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                  input_perm: torch.Tensor | None) -> CpuW4A8Weight | None:
-    """The C product's layout, or None where it does not apply (switched off, no C library, K or G not a
-    multiple of 32, or scales fp16 would round badly: AWQ and GGUF scales are fp16 already, exact here)."""
+def _prepare_w4_c(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                  input_perm: torch.Tensor | None) -> CpuW4Weight | None:
+    """The C product's layout, or None where it does not apply (``LIGHTINFER_CPU_W4=torch``, no C library, K or
+    G not a multiple of 32, or scales fp16 would round badly: AWQ and GGUF scales are fp16 already, exact)."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     group_size = k // scales.shape[0]
-    if not switches.current().cpu_w4a8 or k % cpu_native.W4_BLOCK or group_size % cpu_native.W4_BLOCK:
+    mode = switches.current().cpu_w4
+    if mode == "torch" or k % cpu_native.W4_BLOCK or group_size % cpu_native.W4_BLOCK:
         return None
     s = scales.to(torch.float32)
     m = -zeros.to(torch.float32) * s
@@ -179,32 +183,33 @@ def _prepare_w4a8(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
         return None
     chunks = []
     for start in range(0, n, _PACK_ROWS):  # bounded temporaries: one byte per code for _PACK_ROWS rows at a time
-        packed = cpu_native.w4_pack(_w4_codes(qweight, start, min(start + _PACK_ROWS, n)).to(torch.uint8))
+        codes = _w4_codes(qweight, start, min(start + _PACK_ROWS, n)).to(torch.uint8)
+        packed = cpu_native.w4_pack(codes)
         if packed is None:
             return None
         chunks.append(packed)
     dm = torch.stack([s.t(), m.t()], dim=1).to(torch.float16).contiguous()  # [N, 2, K / G]
-    return CpuW4A8Weight(n, k, torch.cat(chunks) if len(chunks) > 1 else chunks[0], dm, group_size,
-                         None if input_perm is None else input_perm.to(torch.int64))
+    return CpuW4Weight(n, k, torch.cat(chunks) if len(chunks) > 1 else chunks[0], dm, group_size,
+                       None if input_perm is None else input_perm.to(torch.int64), mode == "int8")
 
 
 @torch.no_grad()
 def prepare_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-               input_perm: torch.Tensor | None = None) -> CpuQuantWeight | CpuW4A8Weight | None:
+               input_perm: torch.Tensor | None = None) -> CpuQuantWeight | CpuW4Weight | None:
     """The W4 run-time layout (``w4_layout.py``: int32 ``[N, K // 8]``, scales and zeros ``[K // G, N]``) in
     the form :func:`quant_linear` reads, or None where torch's int4 GEMM cannot take it (no such op in this
     torch, ``N`` not a multiple of 16, or no kernel group dividing ``G``).
 
-    With the ``cpu_w4a8`` switch on (``LIGHTINFER_CPU_W4A8=1``) and the C library (``cpu_native``), a
-    :class:`CpuW4A8Weight` for the C product with int8 activations (module docstring); else torch's int4 GEMM
+    Where the C library (``cpu_native``) builds, a :class:`CpuW4Weight` for the C product (module docstring;
+    ``LIGHTINFER_CPU_W4`` chooses its activations, or torch's layout with ``torch``); else torch's int4 GEMM
     layout."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     group_size = k // scales.shape[0]
     if qweight.device.type != "cpu" or not lowbit_takes(4, n, k, group_size):
         return None
-    w4a8 = _prepare_w4a8(qweight, scales, zeros, input_perm)
-    if w4a8 is not None:
-        return w4a8
+    native = _prepare_w4_c(qweight, scales, zeros, input_perm)
+    if native is not None:
+        return native
     kernel_group = _kernel_group(group_size, k)
     s = scales.to(torch.float32)
     offsets = (8.0 - zeros.to(torch.float32)) * s
@@ -333,7 +338,7 @@ def int8_linear(x: torch.Tensor, weight: CpuInt8Weight, bias: torch.Tensor | Non
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.out_features)
 
 
-def quant_linear(x: torch.Tensor, weight: CpuQuantWeight | CpuW4A8Weight, bias: torch.Tensor | None = None,
+def quant_linear(x: torch.Tensor, weight: CpuQuantWeight | CpuW4Weight, bias: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``y = x @ W^T (+ bias)`` for a prepared low-bit ``weight``.
 
@@ -349,15 +354,17 @@ def quant_linear(x: torch.Tensor, weight: CpuQuantWeight | CpuW4A8Weight, bias: 
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if weight.input_perm is not None:
         x2 = x2.index_select(1, weight.input_perm)
-    if type(weight) is CpuW4A8Weight:
+    if type(weight) is CpuW4Weight:
         out_dtype = out_dtype or x.dtype
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         if x2.dtype not in (torch.float32, torch.bfloat16):
             x2 = x2.to(torch.float32)
-        y = cpu_native.w4a8_linear(x2, weight.packed, weight.dm, weight.group_size,
-                                   None if bias is None else bias.to(torch.float32),
-                                   out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32)
+        if bias is not None and bias.dtype != torch.float32:
+            bias = bias.to(torch.float32)
+        y = cpu_native.w4_linear(x2, weight.packed, weight.dm, weight.group_size, bias,
+                                 out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32,
+                                 weight.int8_activations)
         if y is None:
             raise RuntimeError("the C 4-bit product is unavailable after its weight was prepared for it")
         if y.dtype != out_dtype:

@@ -10,9 +10,10 @@ results up to fp32 summation order (``tests/kernels/test_cpu_native.py``):
 * :func:`silu_mul`: ``silu(gate) * up`` in fp32, rounded once;
 * :func:`rope_store`: RoPE of q and k, k and v written at their slots (bf16/fp32 or INT8 cache);
 * :func:`attend_decode`: one query per sequence over its paged context, parallel over sequences and KV heads;
-* :func:`w4a8_linear` (``native/cpu_w4a8.c``): the 4-bit matrix product ``cpu_lowbit.py`` uses with
-  ``LIGHTINFER_CPU_W4A8=1``, 4-bit codes times activations quantized to int8 per block of 32, as llama.cpp
-  does on the CPU (not the torch ops' result: ``cpu_lowbit.py`` says what it costs).
+* :func:`w4_linear` (``native/cpu_w4a16.c``, ``native/cpu_w4a8.c``; the layouts in ``native/cpu_w4_layout.h``,
+  written by :func:`w4_pack`): the 4-bit matrix product of ``cpu_lowbit.py``, activations held as int16 per
+  block of 32 (the default; within ~1e-5 of the exact product), or, with ``LIGHTINFER_CPU_W4=int8``, quantized
+  to int8 per block of 32, as llama.cpp does on the CPU (``cpu_lowbit.py`` says what that costs).
 
 Each returns None where it does not apply (fp16 activations, partial rotary, a strided cache, ...) and the
 caller runs the torch ops instead. The library is built once per source, compiler and CPU with the system's
@@ -46,8 +47,8 @@ from .step_memo import step_memo
 logger = logging.getLogger("lightinfer")
 
 NATIVE_DIR = Path(__file__).resolve().parent / "native"
-SOURCES = (NATIVE_DIR / "cpu_decode_ops.c", NATIVE_DIR / "cpu_w4a8.c")  # compiled into one library
-HEADERS = (NATIVE_DIR / "cpu_convert.h",)  # included by them: part of the build's cache key
+SOURCES = tuple(NATIVE_DIR / name for name in ("cpu_decode_ops.c", "cpu_w4_pack.c", "cpu_w4a16.c", "cpu_w4a8.c"))
+HEADERS = (NATIVE_DIR / "cpu_convert.h", NATIVE_DIR / "cpu_w4_layout.h")  # included: part of the build's cache key
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fno-strict-aliasing", "-shared", "-fPIC")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _I8 = 2
@@ -58,6 +59,7 @@ _SIGNATURES = {
     "li_rope_store": (_P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P),
     "li_attend_decode": (_P, _I, _I, _I, _I, _I, _F, _P, _I, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I, _I),
     "li_w4_pack": (_P, _P, ctypes.c_long, _I),
+    "li_w4a16_linear": (_P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, _I),
     "li_w4a8_linear": (_P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, _I),
     "li_w4_dequant": (_P, _P, _I, _I, _I, _P, _I),
 }
@@ -321,16 +323,16 @@ def attend_decode(q: torch.Tensor, kv: PagedKV, block_tables: torch.Tensor, cont
 
 W4_BLOCK = 32  # the activation block of the 4-bit product (int8, one scale per 32 values, as llama.cpp's Q8)
 # From this many rows (a prefill) the weight is dequantized to fp32 into a per-thread buffer and multiplied by
-# torch's dense GEMM: measured faster than the block dot products there (bench/cpu_w4a8.py --gemm), and exact.
+# torch's dense GEMM: measured faster than the block dot products there (bench/cpu_w4.py --gemm), and exact.
 W4_DENSE_ROWS = 64
 W4_DENSE_FLOATS = 1 << 22  # the buffer's size cap (16 MB): larger layers are dequantized in slices of rows
 _dense = threading.local()
 
 
 def w4_pack(codes: torch.Tensor) -> torch.Tensor | None:
-    """uint8 codes ``[N, K]`` (0..15, one per byte) -> the 4-bit product's layout, uint8 ``[N, K / 2]``
-    (``native/cpu_w4a8.c``: blocks of 32 codes interleaved by 8, so that each int32 lane of a 32-byte vector
-    holds 4 codes of one block). None without the C library or when K is not a multiple of 32."""
+    """uint8 codes ``[N, K]`` (0..15, one per byte) -> the 4-bit products' layout, uint8 ``[N, K / 2]``
+    (``native/cpu_w4_layout.h``: blocks of 32 codes interleaved by 8, so that each int32 lane of a 32-byte
+    vector holds 4 codes of one block). None without the C library or when K is not a multiple of 32."""
     lib = library()
     if lib is None or codes.dtype != torch.uint8 or codes.dim() != 2 or codes.shape[1] % W4_BLOCK or \
             not _usable(codes):
@@ -340,12 +342,16 @@ def w4_pack(codes: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
-def w4a8_linear(x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor, group_size: int,
-                bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
-    """``y = x W^T (+ bias)`` with ``W = d * q + m`` per group of ``group_size`` along K and ``x`` quantized to
-    int8 per block of 32 (llama.cpp's Q4_1 x Q8 scheme; the offset term uses the exact fp32 sums of x). From
-    :data:`W4_DENSE_ROWS` rows on, ``W`` is dequantized to fp32 (slices of rows into a per-thread buffer of at most
-    :data:`W4_DENSE_FLOATS` floats) and torch's dense GEMM multiplies with unquantized ``x``.
+def w4_linear(x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor, group_size: int,
+              bias: torch.Tensor | None, out_dtype: torch.dtype, int8_activations: bool = False) -> torch.Tensor | None:
+    """``y = x W^T (+ bias)`` with ``W = d * q + m`` per group of ``group_size`` along K, fp32 sums.
+
+    Below :data:`W4_DENSE_ROWS` rows integer dot products take ``x`` quantized per block of 32 along K: to int16
+    by ``native/cpu_w4a16.c`` (within ~1e-5 of the exact product), or with ``int8_activations`` to int8 by
+    ``native/cpu_w4a8.c`` (llama.cpp's Q4_1 x Q8 scheme); the offset term uses the exact fp32 sums of x
+    (``reference.w4_act_gemm`` is the twin). From :data:`W4_DENSE_ROWS` rows on, ``W`` is dequantized to fp32 (slices of rows into a
+    per-thread buffer of at most :data:`W4_DENSE_FLOATS` floats) and torch's dense GEMM multiplies with ``x`` as
+    it is.
 
     Args:
         x: ``[M, K]`` fp32 / bf16, contiguous.
@@ -354,6 +360,7 @@ def w4a8_linear(x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor, group_s
         group_size: a multiple of 32 dividing K.
         bias: fp32 ``[N]`` or None.
         out_dtype: fp32 or bf16.
+        int8_activations: int8 activations (``LIGHTINFER_CPU_W4=int8``) instead of int16.
     Returns:
         ``[M, N]`` in ``out_dtype``, or None where the C op does not apply (the caller's other path runs).
     """
@@ -365,24 +372,33 @@ def w4a8_linear(x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor, group_s
     m, k = x.shape
     n = packed.shape[0]
     if m >= W4_DENSE_ROWS:
-        rows = max(16, min(n, W4_DENSE_FLOATS // k))  # output rows dequantized at a time: bounded memory
-        buf = getattr(_dense, "buf", None)
-        if buf is None or buf.numel() < rows * k:
-            buf = _dense.buf = torch.empty(rows * k, dtype=torch.float32)
-        xf = x.to(torch.float32)
-        parts = []
-        for n0 in range(0, n, rows):
-            n1 = min(n, n0 + rows)
-            w = buf[: (n1 - n0) * k].view(n1 - n0, k)
-            lib.li_w4_dequant(packed[n0:n1].data_ptr(), dm[n0:n1].data_ptr(), group_size, n1 - n0, k, w.data_ptr(),
-                              torch.get_num_threads())
-            parts.append(torch.nn.functional.linear(xf, w, None if bias is None else bias[n0:n1]).to(out_dtype))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return _w4_dense(lib, x, packed, dm, group_size, bias, out_dtype)
     y = torch.empty(m, n, dtype=out_dtype)
     if m == 0:
         return y
-    work = _scratch_buffer((m * k + 4 + 4 * m * (k // W4_BLOCK) + 4 * m * (k // group_size) + 3) // 4)
-    lib.li_w4a8_linear(x.data_ptr(), xdt, m, k, packed.data_ptr(), dm.data_ptr(), group_size, n,
-                       None if bias is None else bias.data_ptr(), y.data_ptr(), ydt, work.data_ptr(),
-                       torch.get_num_threads())
+    # the quantized input: int8 / int16 values (4-byte aligned), then fp32 block scales and block sums
+    nb, size = k // W4_BLOCK, 1 if int8_activations else 2
+    work = _scratch_buffer((m * k * size + 3) // 4 + 2 * m * nb)
+    fn = lib.li_w4a8_linear if int8_activations else lib.li_w4a16_linear
+    fn(x.data_ptr(), xdt, m, k, packed.data_ptr(), dm.data_ptr(), group_size, n,
+       None if bias is None else bias.data_ptr(), y.data_ptr(), ydt, work.data_ptr(), torch.get_num_threads())
     return y
+
+
+def _w4_dense(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor, group_size: int,
+              bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`w4_linear` for many rows: the weight dequantized by slices, torch's fp32 GEMM, ``x`` unrounded."""
+    k, n = x.shape[1], packed.shape[0]
+    rows = max(16, min(n, W4_DENSE_FLOATS // k))  # output rows dequantized at a time: bounded memory
+    buf = getattr(_dense, "buf", None)
+    if buf is None or buf.numel() < rows * k:
+        buf = _dense.buf = torch.empty(rows * k, dtype=torch.float32)
+    xf = x.to(torch.float32)
+    parts = []
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        w = buf[: (n1 - n0) * k].view(n1 - n0, k)
+        lib.li_w4_dequant(packed[n0:n1].data_ptr(), dm[n0:n1].data_ptr(), group_size, n1 - n0, k, w.data_ptr(),
+                          torch.get_num_threads())
+        parts.append(torch.nn.functional.linear(xf, w, None if bias is None else bias[n0:n1]).to(out_dtype))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

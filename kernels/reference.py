@@ -33,9 +33,9 @@ from .w4_layout import (
 __all__ = ["AWQ_ORDER", "AWQ_REVERSE_ORDER", "apply_rotary", "attend", "dequantize_kv_int8", "dequantize_w4",
            "fused_add_rms_norm", "fused_moe", "gather_kv", "gelu_tanh_and_mul", "pack_awq", "pack_int4_rows",
            "paged_attention_decode",
-           "paged_attention_prefill", "quantize_act_q8", "quantize_kv_int8", "repack_awq_to_runtime", "rms_norm", "rope_store_kvcache",
+           "paged_attention_prefill", "quantize_act", "quantize_kv_int8", "repack_awq_to_runtime", "rms_norm", "rope_store_kvcache",
            "rotary_qk", "silu_and_mul", "store_kvcache", "unpack_awq", "unpack_int4_rows", "varlen_causal_attention",
-           "w4a8_gemm", "w4a16_gemm", "window_start"]
+           "w4_act_gemm", "w4a16_gemm", "dequantize_w4_dm16", "window_start"]
 
 
 # ----------------------------------------------------------------------------- W4A16
@@ -68,31 +68,45 @@ def w4a16_gemm(
     return y.to(x.dtype)
 
 
-def quantize_act_q8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """``x [..., K]`` with each block of ``block`` values along K rounded to int8 steps of ``max|x| / 127``
-    (symmetric, round half to even: llama.cpp's Q8 activations), returned dequantized in fp32."""
+def quantize_act(x: torch.Tensor, bits: int = 8, block: int = 32) -> torch.Tensor:
+    """``x [..., K]`` with each block of ``block`` values along K rounded to integer steps of
+    ``max|x| / (2^(bits-1) - 1)`` (symmetric, round half to even: llama.cpp's Q8 activations for ``bits`` 8),
+    returned dequantized in fp32."""
     xb = x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
-    d = xb.abs().amax(-1, keepdim=True) / 127.0
+    d = xb.abs().amax(-1, keepdim=True) / float(2 ** (bits - 1) - 1)
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     return (torch.round(xb * inv) * d).reshape(x.shape)
 
 
-def w4a8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The CPU's 4-bit product with int8 activations (``cpu_native.w4a8_linear``): with ``w = s q - z s``,
-    ``y = sum_g s_g sum_{k in g} q_k x8_k  -  sum_g z_g s_g sum_{k in g} x_k``, where ``x8`` is
-    :func:`quantize_act_q8` of x and the offset term takes the exact sums of x. fp32 accumulation, returned
-    in ``x.dtype``. The scales ``s`` and offsets ``-z s`` are rounded to fp16, as the C layout keeps them (exact
-    for GGUF's and AWQ's fp16 scales; the offsets of integer zeros move by at most 2^-12 of a quantization step
-    per unit of z). ``qweight`` int32 ``[N, K // 8]``, ``scales`` / ``zeros`` ``[K // G, N]``."""
+def dequantize_w4_dm16(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight ``[N, K]`` the CPU's C layout holds for a W4 run-time tensor: ``w = d q + m`` per group
+    with ``d = s`` and ``m = -z s`` each rounded to fp16 (exact for GGUF's and AWQ's fp16 scales; the offsets of
+    integer zeros move by at most 2^-12 of a quantization step per unit of z). ``qweight`` int32
+    ``[N, K // 8]``, ``scales`` / ``zeros`` ``[K // G, N]``."""
+    g = qweight.shape[1] * 8 // scales.shape[0]
+    d, m = _dm16(scales, zeros)
+    return unpack_int4_rows(qweight).to(torch.float32) * d.repeat_interleave(g, dim=1) + m.repeat_interleave(g, dim=1)
+
+
+def _dm16(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d, m)`` fp32 ``[N, K // G]`` of :func:`dequantize_w4_dm16`: ``s`` and ``-z s`` rounded to fp16."""
+    s32 = scales.to(torch.float32).t()
+    return s32.half().float(), (-zeros.to(torch.float32).t() * s32).half().float()
+
+
+def w4_act_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                bias: torch.Tensor | None = None, bits: int = 16) -> torch.Tensor:
+    """The CPU's C 4-bit products (``cpu_native.w4_linear``; ``bits`` 16 the default, 8 with
+    ``int8_activations``): with ``w = d q + m`` (:func:`dequantize_w4_dm16`),
+    ``y = sum_g d_g sum_{k in g} q_k xq_k + sum_g m_g sum_{k in g} x_k``, where ``xq`` is :func:`quantize_act`
+    of x with ``bits`` and the offset term takes the exact sums of x. fp32 accumulation, returned in
+    ``x.dtype``. ``qweight`` int32 ``[N, K // 8]``, ``scales`` / ``zeros`` ``[K // G, N]``."""
     k = qweight.shape[1] * 8
     g = k // scales.shape[0]
     q = unpack_int4_rows(qweight).to(torch.float32)  # [N, K]
-    s32 = scales.to(torch.float32).t()  # [N, K // G]
-    s = s32.half().float()
-    m = (-zeros.to(torch.float32).t() * s32).half().float()
+    s, m = _dm16(scales, zeros)
     xf = x.to(torch.float32)
-    y = quantize_act_q8(xf) @ (q * s.repeat_interleave(g, dim=1)).t()
+    y = quantize_act(xf, bits) @ (q * s.repeat_interleave(g, dim=1)).t()
     y = y + xf.reshape(*x.shape[:-1], k // g, g).sum(-1) @ m.t()
     if bias is not None:
         y = y + bias.to(torch.float32)

@@ -16,8 +16,10 @@
 ``LIGHTINFER_CPU_NATIVE=0``    on a CPU, norms, RoPE + KV store, decode attention and SiLU·mul run
                                as torch ops instead of the C ops compiled at first use
                                (``cpu_native.py``), and 4-bit layers use torch's int4 GEMM
-``LIGHTINFER_CPU_W4A8=1``      on a CPU, 4-bit layers use the C product with int8 activations
-                               instead of torch's int4 GEMM with bf16 activations (``cpu_lowbit.py``)
+``LIGHTINFER_CPU_W4``          on a CPU, the product of 4-bit layers (``cpu_lowbit.py``): ``c``
+                               (default: the C product, activations int16 per block of 32), ``int8``
+                               (the same with activations int8 per block of 32) or ``torch``
+                               (torch's int4 GEMM, bf16 activations)
 =============================  ==================================================================
 
 The environment is read at the first :func:`current` call and never again: a launch costs a dict
@@ -41,8 +43,9 @@ PDL_PREFETCH_ENV = "LIGHTINFER_PDL_PREFETCH"
 W4A16_CONFIGS_ENV = "LIGHTINFER_W4A16_CONFIGS"
 CPU_LOWBIT_ENV = "LIGHTINFER_CPU_LOWBIT"
 CPU_NATIVE_ENV = "LIGHTINFER_CPU_NATIVE"
-CPU_W4A8_ENV = "LIGHTINFER_CPU_W4A8"
+CPU_W4_ENV = "LIGHTINFER_CPU_W4"
 BACKEND_NAMES = ("triton", "torch_cpu", "reference")
+CPU_W4_NAMES = ("c", "int8", "torch")
 
 
 @dataclass(frozen=True)
@@ -57,8 +60,9 @@ class KernelSwitches:
         w4a16_configs: a tuned-config file path, ``"none"``, or None (the GPU model's own file).
         cpu_lowbit: on a CPU, 4-/8-bit layers with 16-bit activations stay low-bit (``cpu_lowbit.py``).
         cpu_native: on a CPU, the per-layer small ops use the C ops of ``cpu_native.py`` where they apply.
-        cpu_w4a8: on a CPU (with ``cpu_native``), 4-bit layers multiply with int8 activations per block of 32
-            in C (``cpu_lowbit.py``); off (the default), torch's int4 GEMM with bf16 activations.
+        cpu_w4: on a CPU, the product of 4-bit layers (``cpu_lowbit.py``): ``"c"`` (the C product of
+            ``cpu_native``, activations int16 per block of 32), ``"int8"`` (the same, activations int8)
+            or ``"torch"`` (torch's int4 GEMM, bf16 activations; also where the C library does not build).
     """
 
     backend: str | None = None
@@ -68,20 +72,23 @@ class KernelSwitches:
     w4a16_configs: str | None = None
     cpu_lowbit: bool = True
     cpu_native: bool = True
-    cpu_w4a8: bool = False
+    cpu_w4: str = "c"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> KernelSwitches:
-        """Read the switches from ``environ``; a variable other than ``"0"`` leaves a flag on (``cpu_w4a8``, off
-        by default, is turned on by any value but ``"0"`` or empty).
+        """Read the switches from ``environ``; a variable other than ``"0"`` leaves a flag on.
 
         Raises:
-            ValueError: ``LIGHTINFER_BACKEND`` names no backend.
+            ValueError: ``LIGHTINFER_BACKEND`` names no backend, or ``LIGHTINFER_CPU_W4`` no CPU product.
         """
         backend = environ.get(BACKEND_ENV) or None
         if backend is not None and backend not in BACKEND_NAMES:
             raise ValueError(f"{BACKEND_ENV}={backend!r} is not a backend; use one of {', '.join(BACKEND_NAMES)} "
                              f"or unset it (Triton on CUDA, torch_cpu elsewhere)")
+        cpu_w4 = environ.get(CPU_W4_ENV) or "c"
+        if cpu_w4 not in CPU_W4_NAMES:
+            raise ValueError(f"{CPU_W4_ENV}={cpu_w4!r} is not a CPU 4-bit product; use one of "
+                             f"{', '.join(CPU_W4_NAMES)} or unset it (c)")
         return cls(backend=backend,
                    f16_decode=environ.get(F16_DECODE_ENV, "1") != "0",
                    pdl=environ.get(PDL_ENV, "1") != "0",
@@ -89,7 +96,7 @@ class KernelSwitches:
                    w4a16_configs=environ.get(W4A16_CONFIGS_ENV) or None,
                    cpu_lowbit=environ.get(CPU_LOWBIT_ENV, "1") != "0",
                    cpu_native=environ.get(CPU_NATIVE_ENV, "1") != "0",
-                   cpu_w4a8=environ.get(CPU_W4A8_ENV, "0") not in ("", "0"))
+                   cpu_w4=cpu_w4)
 
 
 _current: KernelSwitches | None = None

@@ -13,7 +13,7 @@ import torch
 from lightinfer import LLM, SamplingParams
 from lightinfer.config import EngineConfig
 from lightinfer.kernels import cpu_native, switches
-from lightinfer.kernels.cpu_lowbit import CpuW4A8Weight, int4_gemm_available
+from lightinfer.kernels.cpu_lowbit import CpuQuantWeight, CpuW4Weight, int4_gemm_available
 from lightinfer.layers.linear import W4A16Linear
 from lightinfer.layers.ops import use_backend
 
@@ -66,15 +66,23 @@ def _check_greedy_close(runs_a: list, runs_b: list) -> int:
     return same
 
 
-def test_greedy_equals_the_reference_twin(tiny: str) -> None:
-    """The bf16 engine on torch's int4 GEMM (the default: bf16 activations) against the same engine
-    with ops on the reference backend (each GEMM dequantizes the 4-bit run-time tensors in fp32; naive
-    attention): the same greedy tokens (a random tiny model has near-ties, where one bf16 rounding of a GEMM
-    output or of a bf16 group offset may pick the other token: see :func:`_check_greedy_close`), logits
-    within bf16 rounding."""
+@pytest.mark.parametrize("product", ["c", "torch"])
+def test_greedy_equals_the_reference_twin(tiny: str, product: str) -> None:
+    """The bf16 engine on the CPU's 4-bit products (``c``, the default: the C product, int16 activations per
+    block of 32; ``torch``: torch's int4 GEMM, bf16 activations) against the same engine with ops on the
+    reference backend (each GEMM dequantizes the 4-bit run-time tensors in fp32; naive attention): the same
+    greedy tokens up to near-ties, logits within bf16 rounding. This random tiny model's logits are nearly flat
+    (log-probabilities about -5.5, ties in bf16: the C product's first fork is two tokens with the same bf16
+    logit), so where the first fork comes is luck: measured 16 (c), 22 (torch) and 18 (int8) of 24 tokens
+    before it (2026-12-06); every fork must be a near-tie (:func:`_check_greedy_close`)."""
+    if product == "c" and cpu_native.find_compiler() is None:
+        pytest.skip("no C compiler: the C 4-bit product is not built")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
-    fast = _llm(tiny)
-    assert not any(isinstance(m._lowbit, CpuW4A8Weight) for m in _w4_layers(fast))
+    with switches.override(cpu_w4=product):
+        fast = _llm(tiny)
+    kind = CpuW4Weight if product == "c" else CpuQuantWeight
+    assert all(type(m._lowbit) is kind and not getattr(m._lowbit, "int8_activations", False)
+               for m in _w4_layers(fast))
     fast_out = [o.outputs[0] for o in fast.generate(PROMPTS, params, use_tqdm=False)]
     fast_logits = fast.llm_engine.prompt_logits(PROMPTS[2])
     with use_backend("reference"):
@@ -82,7 +90,7 @@ def test_greedy_equals_the_reference_twin(tiny: str) -> None:
         assert all(m._lowbit is None and m.qweight is not None for m in _w4_layers(twin))  # not prepared
         twin_out = [o.outputs[0] for o in twin.generate(PROMPTS, params, use_tqdm=False)]
         twin_logits = twin.llm_engine.prompt_logits(PROMPTS[2])
-    assert _check_greedy_close(fast_out, twin_out) >= 0.75 * sum(len(o.token_ids) for o in twin_out)
+    assert _check_greedy_close(fast_out, twin_out) >= 0.5 * sum(len(o.token_ids) for o in twin_out)
     assert fast_logits.std() > 0.1  # not a degenerate comparison
     torch.testing.assert_close(fast_logits, twin_logits, rtol=0.05, atol=0.05 * float(twin_logits.abs().max()))
     # the prompt's own greedy choices (40 positions, no feedback of earlier choices): all but near-ties agree
@@ -92,15 +100,15 @@ def test_greedy_equals_the_reference_twin(tiny: str) -> None:
 
 @pytest.mark.skipif(cpu_native.find_compiler() is None, reason="no C compiler: the C 4-bit product is not built")
 def test_int8_activations_keep_the_reference_twins_answers(tiny: str) -> None:
-    """``LIGHTINFER_CPU_W4A8=1`` (4-bit layers in C with int8 activations per block of 32; each layer is its own twin
-    ``reference.w4a8_gemm`` to fp32 rounding, tests/kernels/test_cpu_w4a8.py) against the bf16 reference twin:
+    """``LIGHTINFER_CPU_W4=int8`` (4-bit layers in C with int8 activations per block of 32; each layer is its own twin
+    ``reference.w4_act_gemm(..., bits=8)`` to fp32 rounding, tests/kernels/test_cpu_w4a8.py) against the bf16 reference twin:
     the same greedy tokens up to near-ties, and the prompt's greedy choices. Its logits are further from the
     twin's than bf16 rounding (int8 activations; 16% of their norm on this random model, whose logits are
     all near-ties), so they are held to that size, not to bf16's."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
-    with switches.override(cpu_w4a8=True):
+    with switches.override(cpu_w4="int8"):
         fast = _llm(tiny)
-    assert all(isinstance(m._lowbit, CpuW4A8Weight) for m in _w4_layers(fast))
+    assert all(isinstance(m._lowbit, CpuW4Weight) and m._lowbit.int8_activations for m in _w4_layers(fast))
     fast_out = [o.outputs[0] for o in fast.generate(PROMPTS, params, use_tqdm=False)]
     fast_logits = fast.llm_engine.prompt_logits(PROMPTS[2])
     with use_backend("reference"):

@@ -73,12 +73,13 @@ def test_weights_are_a_fifth_of_the_fp32_load(smollm2_lowbit_llm) -> None:  # ty
 
 
 def test_lowbit_cpu_path_answers_as_the_exact_path(smollm2_lowbit_llm, smollm2_llm) -> None:  # type: ignore[no-untyped-def]
-    """As served on a CPU (bf16 activations, 4-/8-bit weights in torch's int4 GEMM) against the exact fp32 path
-    on the same file: the same greedy answers but where the two were at a near-tie (each side's token among
-    the other's top 3 where they part; measured: 6 of 8 answers identical over 32 tokens on an AVX-512 CPU, 4 of
-    8 on an AVX2 one, whose int4 kernel sums in another order, and 2 of 8 there with the C ops of
-    kernels/cpu_native.py, every fork a near-tie; 1 of 8 with int8 activations, LIGHTINFER_CPU_W4A8=1, on an
-    AVX-512 Xeon). The quality measure is the held-out perplexity (next test, docs/cpu_performance.md)."""
+    """As served on a CPU (bf16 activations between layers, 4-/8-bit weights) against the exact fp32 path on the
+    same file: the same greedy answers but where the two were at a near-tie (each side's token among the other's
+    top 3 where they part; measured with torch's int4 GEMM: 6 of 8 answers identical over 32 tokens on an
+    AVX-512 CPU, 4 of 8 on an AVX2 one, whose int4 kernel sums in another order, and 2 of 8 there with the C ops
+    of kernels/cpu_native.py, every fork a near-tie; on an AVX-512 Xeon 2026-12-06 with the C 4-bit product 2-3
+    of 8, torch's int4 GEMM 2, int8 activations 1-2). The quality measures are the logits of a short prompt and
+    the held-out perplexity (next tests, docs/cpu_performance.md)."""
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=3)
     chats = [[{"role": "user", "content": c}] for c in CHATS]
     fast = [o.outputs[0] for o in smollm2_lowbit_llm.chat(chats, params, use_tqdm=False)]
@@ -93,11 +94,29 @@ def test_lowbit_cpu_path_answers_as_the_exact_path(smollm2_lowbit_llm, smollm2_l
     assert identical >= 2, f"{identical}/8 answers identical"
 
 
+def test_lowbit_cpu_path_logits_of_a_short_prompt(smollm2_lowbit_llm, smollm2_llm) -> None:  # type: ignore[no-untyped-def]
+    """A prompt shorter than a prefill's dense path (``cpu_native.W4_DENSE_ROWS``), so every 4-bit product runs
+    the decode step's kernel: logits within 5% of the exact path's norm (measured 3.1% with the C product, 3.0%
+    with torch's int4 GEMM, 10% with int8 activations; 2026-12-06, AVX-512 Xeon), the greedy choice the same at
+    nine positions of ten."""
+    from lightinfer.kernels import cpu_native
+
+    prompt = smollm2_lowbit_llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True,
+        tokenize=True)["input_ids"]
+    assert len(prompt) < cpu_native.W4_DENSE_ROWS
+    fast = smollm2_lowbit_llm.llm_engine.prompt_logits(prompt).float()
+    exact = smollm2_llm.llm_engine.prompt_logits(prompt).float()
+    assert float((fast - exact).norm() / exact.norm()) < 0.05
+    assert float((fast.argmax(-1) == exact.argmax(-1)).float().mean()) >= 0.9
+
+
 def test_lowbit_cpu_path_perplexity_is_the_exact_paths(smollm2_lowbit_llm, smollm2_llm) -> None:  # type: ignore[no-untyped-def]
-    """Held-out perplexity of the default CPU path (4-/8-bit weights, bf16 activations) against the exact fp32
-    path on the same weights, 2,048 tokens in 1,024-token windows: measured +0.34% (2026-12-06, AVX-512 Xeon;
-    with int8 activations in the 4-bit products, LIGHTINFER_CPU_W4A8=1, +0.49%; over 4,096 tokens +0.32% and
-    +0.41%, bench/cpu_w4a8.py). A wrong scale, offset or layout costs tens of percent."""
+    """Held-out perplexity of the default CPU path (4-/8-bit weights, bf16 activations between layers) against
+    the exact fp32 path on the same weights, 2,048 tokens in 1,024-token windows (a prefill: the 4-bit layers take
+    the dense path of cpu_native.w4_linear): measured +0.34% with torch's int4 GEMM (2026-12-06, AVX-512 Xeon),
+    +0.41% with the C product over 4,096 tokens (bench/cpu_w4.py). A wrong scale, offset or layout costs tens of
+    percent."""
     from lightinfer.evaluate import perplexity
 
     fast = perplexity(llm=smollm2_lowbit_llm, max_tokens=2048, window=1024).ppl

@@ -1,6 +1,6 @@
-"""The CPU low-bit GEMM on torch's kernels (kernels/cpu_lowbit.py with ``LIGHTINFER_CPU_W4A8=0``) against its
-reference twins (reference.w4a16_gemm / w8a16_gemm). The default W4 path, the C product with int8 activations,
-is held to its own twin in test_cpu_w4a8.py."""
+"""The CPU low-bit GEMM on torch's kernels (kernels/cpu_lowbit.py with ``LIGHTINFER_CPU_W4=torch``, and its W8
+paths) against its reference twins (reference.w4a16_gemm / w8a16_gemm). The default W4 path, the C product, is
+held to its own twin in test_cpu_w4.py, and its int8-activation form in test_cpu_w4a8.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not int4_gemm_available(), reason="this torch ha
 
 @pytest.fixture(autouse=True)
 def _torchs_int4_gemm() -> Iterator[None]:
-    with switches.override(cpu_w4a8=False):
+    with switches.override(cpu_w4="torch"):
         yield
 
 

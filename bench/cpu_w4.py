@@ -1,18 +1,19 @@
-"""The C 4-bit product with int8 activations against torch's int4 GEMM, in the engine, one run.
+"""The CPU's 4-bit products against each other, in the engine, one run: ``LIGHTINFER_CPU_W4`` = ``c``, ``int8``
+and ``torch``.
 
-    .venv/bin/python bench/cpu_w4a8.py [--model smollm2-135m-instruct] [--steps 32] [--repeats 3]
-                                       [--ppl-tokens 4096] [--no-ppl]
+    .venv/bin/python bench/cpu_w4.py [--model smollm2-135m-instruct] [--steps 32] [--repeats 3]
+                                     [--ppl-tokens 4096] [--no-ppl] [--gemm | --gemm-only]
 
-Loads the model three times in one process: ``int4`` (the default CPU path: torch's
-``_weight_int4pack_mm_for_cpu``, bf16 activations), ``w4a8`` (the same with ``LIGHTINFER_CPU_W4A8=1``: 4-bit
-layers through ``cpu_native.w4a8_linear``, activations quantized to int8 per block of 32) and ``exact`` (fp32,
-weights dequantized). Measures, interleaved per repeat so the machine's drift hits both alike, the
+Loads the model once per product in one process: ``c`` (the default: ``cpu_native.w4_linear``, activations
+int16 per block of 32), ``int8`` (the same, activations quantized to int8 per block of 32) and
+``torch`` (torch's ``_weight_int4pack_mm_for_cpu``, bf16 activations); then ``exact`` (fp32, weights
+dequantized) for perplexity. Measures, interleaved per repeat so the machine's drift hits all alike, the
 milliseconds of one decode step at 1 and 16 sequences (as ``cpu_step_floor.py``: generate with ``1 + steps``
 tokens minus generate with 1) and of a 512-token prefill; then held-out perplexity (``lightinfer.evaluate``,
-1,024-token windows) of all three. Before that (``--gemm``, or alone with ``--gemm-only``), each layer shape of
-SmolLM2 through ``cpu_quant_linear`` in both layouts, bf16 input, at 1, 16 and 512 rows: "hot" (one weight,
-called again and again) and "cold" (as many different weights of the shape as fill 64 MB, in turn, as a
-step reads them). Writes ``bench/results/cpu_w4a8.json`` and prints markdown tables.
+1,024-token windows). Before that (``--gemm``, or alone with ``--gemm-only``), each layer shape of SmolLM2
+through ``cpu_quant_linear`` in each layout, bf16 input, at 1, 4, 16 and 512 rows: "hot" (one weight, called
+again and again) and "cold" (as many different weights of the shape as fill 64 MB, in turn, as a step reads
+them). Writes ``bench/results/cpu_w4.json`` and prints markdown tables of ratios to ``torch``.
 """
 
 from __future__ import annotations
@@ -50,23 +51,26 @@ SHAPES = {"qkv 576->960": (960, 576), "o 576->576": (576, 576), "gate_up 576->30
           "down 1536->576": (576, 1536)}
 
 
-def gemm_table(rows: tuple[int, ...] = (1, 16, 512)) -> dict[str, dict[str, float]]:
-    """µs per call (median of 5 passes) of each shape, both layouts, hot and cold (module docstring)."""
+MODES = ("c", "int8", "torch")  # the values of LIGHTINFER_CPU_W4 compared, the last the baseline
+
+
+def gemm_table(rows: tuple[int, ...] = (1, 4, 16, 512)) -> dict[str, dict[str, float]]:
+    """µs per call (median of 5 passes) of each shape, every layout, hot and cold (module docstring)."""
     from lightinfer.kernels import cpu_quant_linear, pack_int4_rows, prepare_w4_cpu, switches
 
     gen = torch.Generator().manual_seed(0)
     out: dict[str, dict[str, float]] = {}
     for name, (n, k) in SHAPES.items():
         count = max(8, (64 << 20) // (n * k // 2))
-        weights: dict[str, list[Any]] = {"w4a8": [], "int4": []}
+        weights: dict[str, list[Any]] = {mode: [] for mode in MODES}
         for _ in range(count):
             codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
             scales = (torch.rand(k // 32, n, generator=gen) * 0.01 + 0.001).half().float()
             zeros = torch.rand(k // 32, n, generator=gen) * 15
             qweight = pack_int4_rows(codes)
-            with switches.override(cpu_w4a8=True):
-                weights["w4a8"].append(prepare_w4_cpu(qweight, scales, zeros))
-            weights["int4"].append(prepare_w4_cpu(qweight, scales, zeros))
+            for mode in MODES:
+                with switches.override(cpu_w4=mode):
+                    weights[mode].append(prepare_w4_cpu(qweight, scales, zeros))
         for m in rows:
             x = torch.randn(m, k, generator=gen).bfloat16()
             for temp in ("hot", "cold"):
@@ -91,7 +95,7 @@ def main() -> None:
     ap.add_argument("--no-ppl", action="store_true", help="timings only")
     ap.add_argument("--gemm", action="store_true", help="also the per-call table (module docstring)")
     ap.add_argument("--gemm-only", action="store_true", help="only the per-call table")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu_w4a8.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu_w4.json")
     args = ap.parse_args()
 
     from lightinfer import LLM
@@ -100,14 +104,17 @@ def main() -> None:
 
     gemm = gemm_table() if args.gemm or args.gemm_only else {}
     if gemm:
-        print("| shape, rows, weights | C W4A8 µs | torch int4 GEMM µs | ratio |\n|---|---|---|---|")
+        print("| shape, rows, weights | " + " | ".join(f"{m} µs" for m in MODES) + " | "
+              + " | ".join(f"{m} / torch" for m in MODES[:-1]) + " |\n|---" * 1 + "|---" * (2 * len(MODES) - 1) + "|")
         for key, v in gemm.items():
-            print(f"| {key} | {v['w4a8']} | {v['int4']} | {v['w4a8'] / v['int4']:.2f} |", flush=True)
+            print(f"| {key} | " + " | ".join(str(v[m]) for m in MODES) + " | "
+                  + " | ".join(f"{v[m] / v['torch']:.2f}" for m in MODES[:-1]) + " |", flush=True)
     if args.gemm_only:
         return
-    with switches.override(cpu_w4a8=True):
-        llms = {"w4a8": LLM(args.model)}
-    llms["int4"] = LLM(args.model)
+    llms = {}
+    for mode in MODES:
+        with switches.override(cpu_w4=mode):
+            llms[mode] = LLM(args.model)
     rng = random.Random(0)
     for llm in llms.values():  # warm-up: first-call allocations, the C library's build
         step_ms(llm, 1, 4, 32, rng)
@@ -130,13 +137,16 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{when}, {cpu_name()}, {torch.get_num_threads()} threads, {args.model}, medians of {args.repeats}")
-    print("| | torch int4 GEMM (bf16 act.) | C W4A8 (int8 act. per 32) | ratio |\n|---|---|---|---|")
+    print("| | " + " | ".join(MODES) + " | " + " | ".join(f"{m} / torch" for m in MODES[:-1]) + " |\n"
+          + "|---" * (2 * len(MODES)) + "|")
     for m in ("1 seq", "16 seqs", "prefill 512"):
-        a, b = medians["int4"][m], medians["w4a8"][m]
-        print(f"| ms, {m} | {a} | {b} | {b / a:.2f}x |")
+        print(f"| ms, {m} | " + " | ".join(str(medians[k][m]) for k in MODES) + " | "
+              + " | ".join(f"{medians[k][m] / medians['torch'][m]:.2f}x" for k in MODES[:-1]) + " |")
     if ppl:
-        print(f"| perplexity ({args.ppl_tokens} tokens; exact fp32 {ppl['exact']}) | {ppl['int4']} | {ppl['w4a8']} | "
-              f"{ppl['w4a8'] / ppl['int4'] - 1:+.2%} (vs exact {ppl['w4a8'] / ppl['exact'] - 1:+.2%}) |")
+        print(f"| perplexity ({args.ppl_tokens} tokens; exact fp32 {ppl['exact']}) | "
+              + " | ".join(str(ppl[k]) for k in MODES) + " | "
+              + " | ".join(f"{ppl[k] / ppl['torch'] - 1:+.2%} (vs exact {ppl[k] / ppl['exact'] - 1:+.2%})"
+                           for k in MODES[:-1]) + " |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,202 @@
+/* The CPU's 4-bit matrix product with 16-bit activations (the default where this library builds):
+ * y = x W^T with W in the interleaved 4-bit layout of cpu_w4_layout.h and x quantized to int16 per block of 32.
+ *
+ * Built with the other sources of kernels/native into one library by kernels/cpu_native.py; called through
+ * ctypes from kernels/cpu_native.py (w4_linear). The structure is cpu_w4a8.c's with 16-bit integers:
+ *
+ *   input    x[r, k] ~ dx[r, b] * xq[r, k]                   xq in -32767..32767, one dx per block b of 32
+ *   product  y[r, n] = sum_b d[n,b] dx[r,b] sum_{k in b} q[n,k] xq[r,k]  +  sum_b m[n,b] sx[r,b]
+ *
+ * with sx[r, b] the exact fp32 sum of x over block b (and d, m a block's group's). 15 bits per block of 32 hold a bf16 activation (8
+ * significant bits) exactly unless it is more than 2^7 times smaller than its block's largest, and round it by at
+ * most 2^-16 of that largest otherwise: the product is the exact one within ~1e-5 of its norm (fp32 activations
+ * are rounded likewise), where int8 activations (cpu_w4a8.c) move it by ~1e-2. The integer sums are exact.
+ *
+ * AVX-512 (VNNI vpdpwssd, else vpmaddwd + vpaddd): a super-block's 256 codes widen to 8 vectors of 32 words,
+ * word 4 i + j holding a value of block i, and 8 dot-product instructions per input row sum its 256 products
+ * into 16 int32 lanes, two per block; one conversion and one FMA then apply the 8 blocks' scales. AVX2: the
+ * same in 16-word halves. Else plain loops.
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "cpu_w4_layout.h"
+
+#if defined(W4_AVX2) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define W16_AVX512 1
+static const int32_t W16_PAIRS[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
+
+/* acc + the 16 int32 pair sums of a x b (32 int16 each) */
+static inline __m512i dot16(__m512i acc, __m512i a, __m512i b) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+#elif defined(W4_AVX2)
+static inline __m256i dot16(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+#endif
+
+/* acc[r] = sum_k W[n, k] x[r, k] for NR (a compile-time constant once inlined) input rows: w, row n's codes; dv
+ * and mv, its scale and offset per block (fp32, K / 32); xq, dx, sx: the rows' quantized values, block scales
+ * and block sums. Few rows get two partial sums each, so that the dependent chain of dot products does not
+ * bound the loop. */
+static inline __attribute__((always_inline)) void dot_rows(const uint8_t* w, const float* dv, const float* mv,
+                                                           int K, const int16_t* xq, const float* dx,
+                                                           const float* sx, const int NR, float* acc) {
+    int nb = K / 32, nsb = nb / 8;
+#if defined(W16_AVX512)
+    const int CH = NR <= 2 ? 2 : 1;
+    const __m512i low = _mm512_set1_epi16(0x0f), pairs = _mm512_loadu_si512(W16_PAIRS);
+    __m512 total[W4_TILE];
+    __m256 offs[W4_TILE]; /* the offset terms m * sx of the super-blocks' 8 blocks */
+    _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) total[r] = _mm512_setzero_ps(), offs[r] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t* ws = w + (size_t)128 * sb;
+        const __m256 m8 = _mm256_loadu_ps(mv + 8 * sb);
+        __m512i q[8];
+        _Pragma("GCC unroll 8") for (int u = 0; u < 4; u++) {
+            __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(ws + 32 * u)));
+            q[2 * u] = _mm512_and_si512(v, low);
+            q[2 * u + 1] = _mm512_srli_epi16(v, 4);
+        }
+        __m512 d16 = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(dv + 8 * sb)));
+        _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {
+            const int16_t* a = xq + (size_t)r * K + 256 * (size_t)sb;
+            __m512i s[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+            _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) s[t % CH] = dot16(s[t % CH], q[t], _mm512_loadu_si512(a + 32 * t));
+            if (CH == 2) s[0] = _mm512_add_epi32(s[0], s[1]);
+            __m512 dx16 = _mm512_permutexvar_ps(
+                pairs, _mm512_castps256_ps512(_mm256_loadu_ps(dx + (size_t)r * nb + 8 * sb)));
+            total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[0]), _mm512_mul_ps(d16, dx16), total[r]);
+            offs[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(sx + (size_t)r * nb + 8 * sb), offs[r]);
+        }
+    }
+    for (int b = 8 * nsb; b < nb; b++) { /* the blocks after the last super-block, in plain order */
+        __m128i raw = _mm_loadu_si128((const __m128i*)(w + 16 * (size_t)b));
+        __m512i q = _mm512_and_si512(_mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw)), low);
+        _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {
+            __m512i s = dot16(_mm512_setzero_si512(), q, _mm512_loadu_si512(xq + (size_t)r * K + 32 * (size_t)b));
+            total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(dv[b] * dx[(size_t)r * nb + b]), total[r]);
+            offs[r] = _mm256_add_ps(offs[r], _mm256_setr_ps(mv[b] * sx[(size_t)r * nb + b], 0, 0, 0, 0, 0, 0, 0));
+        }
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++)
+        acc[r] = _mm512_reduce_add_ps(_mm512_add_ps(total[r], _mm512_zextps256_ps512(offs[r])));
+#elif defined(W4_AVX2)
+    /* a super-block's vector t holds blocks 0-3 in its first 16 words and 4-7 in its last: two sums per row */
+    const __m256i low = _mm256_set1_epi16(0x0f);
+    __m256 total[W4_TILE];
+    _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) total[r] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++) {
+        const __m256 m8 = _mm256_loadu_ps(mv + 8 * sb);
+        _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) total[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(sx + (size_t)r * nb + 8 * sb), total[r]);
+        const uint8_t* ws = w + (size_t)128 * sb;
+        __m256i s[W4_TILE][2];
+        _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) {
+            _Pragma("GCC unroll 8") for (int h = 0; h < 2; h++) {
+                __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(ws + 32 * (t / 2) + 16 * h)));
+                __m256i q = t & 1 ? _mm256_srli_epi16(v, 4) : _mm256_and_si256(v, low);
+                _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++)
+                    s[r][h] = dot16(s[r][h], q, _mm256_loadu_si256(
+                                                    (const __m256i*)(xq + (size_t)r * K + 256 * (size_t)sb + 32 * t + 16 * h)));
+            }
+        }
+        _Pragma("GCC unroll 8") for (int h = 0; h < 2; h++) { /* lanes 2 i, 2 i + 1: block 4 h + i */
+            const __m256i idx = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+            __m256 d8 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(dv + 8 * sb + 4 * h)), idx);
+            _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {
+                __m256 dx8 = _mm256_permutevar8x32_ps(
+                    _mm256_castps128_ps256(_mm_loadu_ps(dx + (size_t)r * nb + 8 * sb + 4 * h)), idx);
+                total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h]), _mm256_mul_ps(d8, dx8), total[r]);
+            }
+        }
+    }
+    for (int b = 8 * nsb; b < nb; b++) {
+        __m128i raw = _mm_loadu_si128((const __m128i*)(w + 16 * (size_t)b)), l4 = _mm_set1_epi8(0x0f);
+        __m256i q0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, l4));
+        __m256i q1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), l4));
+        _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {
+            const int16_t* a = xq + (size_t)r * K + 32 * (size_t)b;
+            __m256i s = dot16(dot16(_mm256_setzero_si256(), q0, _mm256_loadu_si256((const __m256i*)a)), q1,
+                              _mm256_loadu_si256((const __m256i*)(a + 16)));
+            total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dv[b] * dx[(size_t)r * nb + b]), total[r]);
+            total[r] = _mm256_add_ps(total[r], _mm256_setr_ps(mv[b] * sx[(size_t)r * nb + b], 0, 0, 0, 0, 0, 0, 0));
+        }
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) acc[r] = w4_hsum8(total[r]);
+#else
+    _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {
+        const int16_t* a = xq + (size_t)r * K;
+        float sum = 0.0f;
+        int shift;
+        for (int b = 0; b < nb; b++) {
+            int32_t s = 0;
+            for (int k = 0; k < 32; k++) {
+                size_t at = w4_pos(b, k, nsb, &shift);
+                s += ((w[at] >> shift) & 15) * a[w4_xpos(b, k, nsb)];
+            }
+            sum += (float)s * (dv[b] * dx[(size_t)r * nb + b]) + mv[b] * sx[(size_t)r * nb + b];
+        }
+        acc[r] = sum;
+    }
+#endif
+}
+
+struct q16_input {
+    const int16_t* xq; /* [M, K], interleaved */
+    const float* dx;   /* [M, K / 32] */
+    const float* sx;   /* [M, K / 32] */
+};
+
+/* the w4_tile_fn of this product */
+static void dot_tile(const uint8_t* w, const float* dv, const float* mv, int K, const void* in, int r0, int nr,
+                     int no, float* acc) {
+    const struct q16_input* p = (const struct q16_input*)in;
+    const int16_t* xq = p->xq + (size_t)r0 * K;
+    const float* dx = p->dx + (size_t)r0 * (K / 32);
+    const float* sx = p->sx + (size_t)r0 * (K / 32);
+    for (int o = 0; o < no; o++, w += K / 2, dv += K / 32, mv += K / 32, acc += W4_TILE) {
+        switch (nr) { /* constant row counts: one unrolled body each */
+        case 1: dot_rows(w, dv, mv, K, xq, dx, sx, 1, acc); break;
+        case 2: dot_rows(w, dv, mv, K, xq, dx, sx, 2, acc); break;
+        case 3: dot_rows(w, dv, mv, K, xq, dx, sx, 3, acc); break;
+#if W4_TILE == 8
+        case 4: dot_rows(w, dv, mv, K, xq, dx, sx, 4, acc); break;
+        case 5: dot_rows(w, dv, mv, K, xq, dx, sx, 5, acc); break;
+        case 6: dot_rows(w, dv, mv, K, xq, dx, sx, 6, acc); break;
+        case 7: dot_rows(w, dv, mv, K, xq, dx, sx, 7, acc); break;
+#endif
+        default: dot_rows(w, dv, mv, K, xq, dx, sx, W4_TILE, acc); break;
+        }
+    }
+}
+
+/* y [M, N] (fp32 or bf16) = x [M, K] (fp32 or bf16) W^T (+ bias fp32 [N] or NULL).
+ * work: at least M * (2 * K + 8 * (K / 32)) + 4 bytes, 4-byte aligned (the quantized input). */
+void li_w4a16_linear(const void* x, int xdt, int M, int K, const uint8_t* w, const uint16_t* dm, int G, int N,
+                     const float* bias, void* y, int ydt, void* work, int nthreads) {
+    int nb = K / 32;
+    int16_t* xq = (int16_t*)work;
+    float* dx = (float*)(xq + (size_t)M * K + ((size_t)M * K) % 2);
+    float* sx = dx + (size_t)M * nb;
+    size_t xstride = (size_t)K * (xdt == DT_BF16 ? 2 : 4);
+    (void)nthreads;
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 8 && nthreads > 1)
+    for (int r = 0; r < M; r++)
+        w4_quantize_row((const char*)x + r * xstride, xdt, K, 2, xq + (size_t)r * K, dx + (size_t)r * nb,
+                        sx + (size_t)r * nb);
+    struct q16_input in = {xq, dx, sx};
+    w4_product(M, K, w, dm, G, N, bias, y, ydt, nthreads, dot_tile, &in);
+}
