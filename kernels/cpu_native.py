@@ -19,7 +19,9 @@ Each returns None where it does not apply (fp16 activations, partial rotary, a s
 caller runs the torch ops instead. The library is built once per source, compiler and CPU with the system's
 C compiler (``$CC``, else ``cc`` / ``gcc`` / ``clang``: ``-O3 -march=native``, OpenMP when available, about
 a second) into ``$XDG_CACHE_HOME/lightinfer/native`` (``~/.cache``); with no compiler, or
-``LIGHTINFER_CPU_NATIVE=0``, every op takes the torch path and one log line says why.
+``LIGHTINFER_CPU_NATIVE=0``, every op takes the torch path and one log line says why. Where the Python headers
+are installed the library also holds a CPython extension module generated from :data:`_SIGNATURES`
+(``native_pycall.py``), whose functions :func:`library` returns: a tenth of a ctypes call's cost.
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from . import switches
+from . import native_pycall, switches
 from .paged_kv import PagedKV
 from .step_memo import step_memo
 
@@ -65,7 +68,7 @@ _SIGNATURES = {
 }
 
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
+_lib: NativeOps | None = None
 _tried = False
 status = "not loaded"  # what happened at the first use: the library's path, or why the torch ops run
 
@@ -107,19 +110,30 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
-def build(compiler: str, out: Path) -> float:
+def build(compiler: str, out: Path, pycall: str | None = None) -> float:
     """Compile :data:`SOURCES` into the shared library ``out`` (written whole or not at all: a temporary file
-    renamed into place), with OpenMP if the compiler has it, else without. Returns the seconds it took.
+    renamed into place), with OpenMP if the compiler has it, else without; with ``pycall`` (the C source of
+    ``native_pycall.source``) also the extension module of direct Python entry points. Returns the seconds it
+    took.
 
     Raises:
         NativeBuildError: neither build succeeded (the message holds the compiler's output).
     """
     out.parent.mkdir(parents=True, exist_ok=True)
+    if pycall is None:
+        return _build(compiler, out, [])
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        generated = Path(tmp) / "pycall.c"
+        generated.write_text(pycall)
+        return _build(compiler, out, [f"-I{native_pycall.python_include()}", str(generated)])
+
+
+def _build(compiler: str, out: Path, extra_sources: list[str]) -> float:
     start, errors = time.perf_counter(), []
     for extra in (("-fopenmp",), ("-fopenmp-simd",)):
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        cmd = [compiler, *FLAGS, *extra, "-o", tmp, *map(str, SOURCES)]
+        cmd = [compiler, *FLAGS, *extra, "-o", tmp, *map(str, SOURCES), *extra_sources]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -132,9 +146,15 @@ def build(compiler: str, out: Path) -> float:
     raise NativeBuildError("compiling the CPU ops failed:\n" + "\n".join(errors))
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded ops library, built on the first call when no cached build fits; None when switched off
-    (``LIGHTINFER_CPU_NATIVE=0``) or when it cannot be built or loaded (logged once, :data:`status`)."""
+class NativeOps(SimpleNamespace):
+    """The C ops by name (``li_add_rms_norm``, ...): each the extension module's direct entry point where the
+    library has one (``native_pycall.py``), else the ctypes function; the same arguments either way (ints for
+    pointers, None for NULL). ``path``: the library; ``direct``: whether the direct entry points serve."""
+
+
+def library() -> NativeOps | None:
+    """The loaded ops, built on the first call when no cached build fits; None when switched off
+    (``LIGHTINFER_CPU_NATIVE=0``) or when they cannot be built or loaded (logged once, :data:`status`)."""
     global _lib, _tried, status
     if not switches.current().cpu_native:
         return None
@@ -152,27 +172,46 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
-def _load() -> ctypes.CDLL:
+def _load() -> NativeOps:
     global status
     compiler = find_compiler()
     if compiler is None:
         raise NativeBuildError("no C compiler found (set $CC, or install gcc or clang)")
-    key = hashlib.sha256(b"\0".join([*(src.read_bytes() for src in SOURCES + HEADERS), compiler.encode(), " ".join(FLAGS).encode(),
-                                     _cpu_signature().encode(), torch.__version__.encode()])).hexdigest()[:16]
-    path = cache_dir() / f"cpu_decode_ops-{key}.so"
+    pycall = native_pycall.source(_SIGNATURES) if native_pycall.python_include() is not None else None
+    parts = [*(src.read_bytes() for src in SOURCES + HEADERS), compiler.encode(), " ".join(FLAGS).encode(),
+             _cpu_signature().encode(), torch.__version__.encode()]
+    path = cache_dir() / f"cpu_decode_ops-{_key(parts, pycall)}.so"
     if not path.exists():
-        seconds = build(compiler, path)
+        try:
+            seconds = build(compiler, path, pycall)
+        except NativeBuildError as exc:
+            if pycall is None:
+                raise
+            logger.info("lightinfer: the C ops build without direct Python entry points: %s", exc)
+            pycall, path = None, cache_dir() / f"cpu_decode_ops-{_key(parts, None)}.so"
+            seconds = build(compiler, path) if not path.exists() else 0.0
         logger.info("lightinfer: compiled the CPU ops in %.1f s (%s)", seconds, path)
     lib = ctypes.CDLL(str(path))
+    module = native_pycall.load(path) if pycall is not None else None
+    ops = NativeOps(path=path, direct=module is not None)
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
+        setattr(ops, name, getattr(module, name) if module is not None else fn)
     status = str(path)
-    return lib
+    return ops
+
+
+def _key(parts: list[bytes], pycall: str | None) -> str:
+    """The build's cache key: the sources, compiler, flags, CPU, torch and (with it) the generated module."""
+    return hashlib.sha256(b"\0".join([*parts, (pycall or "").encode()])).hexdigest()[:16]
 
 
 def _usable(*tensors: torch.Tensor) -> bool:
-    return all(t.is_cpu and t.is_contiguous() and not t.requires_grad for t in tensors)
+    for t in tensors:  # a loop, not all(generator): called several times per layer, per step
+        if not (t.is_cpu and t.is_contiguous()) or t.requires_grad:
+            return False
+    return True
 
 
 def _checked_once(kind: str, keys: tuple[torch.Tensor, ...], extra: tuple, check: Callable[[], Any]) -> Any:
@@ -385,7 +424,7 @@ def w4_linear(x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor, group_siz
     return y
 
 
-def _w4_dense(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor, group_size: int,
+def _w4_dense(lib: NativeOps, x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor, group_size: int,
               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """:func:`w4_linear` for many rows: the weight dequantized by slices, torch's fp32 GEMM, ``x`` unrounded."""
     k, n = x.shape[1], packed.shape[0]
