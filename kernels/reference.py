@@ -30,12 +30,37 @@ from .w4_layout import (
     unpack_int4_rows,
 )
 
-__all__ = ["AWQ_ORDER", "AWQ_REVERSE_ORDER", "apply_rotary", "attend", "dequantize_kv_int8", "dequantize_w4",
-           "fused_add_rms_norm", "fused_moe", "gather_kv", "gelu_tanh_and_mul", "pack_awq", "pack_int4_rows",
-           "paged_attention_decode",
-           "paged_attention_prefill", "quantize_act", "quantize_kv_int8", "repack_awq_to_runtime", "rms_norm", "rope_store_kvcache",
-           "rotary_qk", "silu_and_mul", "store_kvcache", "unpack_awq", "unpack_int4_rows", "varlen_causal_attention",
-           "w4_act_gemm", "w4a16_gemm", "dequantize_w4_dm16", "window_start"]
+__all__ = [
+    "AWQ_ORDER",
+    "AWQ_REVERSE_ORDER",
+    "apply_rotary",
+    "attend",
+    "dequantize_kv_int8",
+    "dequantize_w4",
+    "dequantize_w4_dm16",
+    "fused_add_rms_norm",
+    "fused_moe",
+    "gather_kv",
+    "gelu_tanh_and_mul",
+    "pack_awq",
+    "pack_int4_rows",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "quantize_act",
+    "quantize_kv_int8",
+    "repack_awq_to_runtime",
+    "rms_norm",
+    "rope_store_kvcache",
+    "rotary_qk",
+    "silu_and_mul",
+    "store_kvcache",
+    "unpack_awq",
+    "unpack_int4_rows",
+    "varlen_causal_attention",
+    "w4_act_gemm",
+    "w4a16_gemm",
+    "window_start",
+]
 
 
 # ----------------------------------------------------------------------------- W4A16

@@ -11,7 +11,7 @@ import torch
 
 from lightinfer.kernels import cpu_native, pack_int4_rows, prepare_w4_cpu, switches
 from lightinfer.kernels import reference as ref
-from lightinfer.kernels.cpu_lowbit import CpuQuantWeight, CpuW4Weight, quant_linear
+from lightinfer.kernels.cpu_lowbit import CpuW4Weight, quant_linear
 
 needs_native = pytest.mark.skipif(cpu_native.find_compiler() is None, reason="no C compiler on this machine")
 
