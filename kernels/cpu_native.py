@@ -10,6 +10,8 @@ results up to fp32 summation order (``tests/kernels/test_cpu_native.py``):
 * :func:`silu_mul`: ``silu(gate) * up`` in fp32, rounded once;
 * :func:`rope_store`: RoPE of q and k, k and v written at their slots (bf16/fp32 or INT8 cache);
 * :func:`attend_decode`: one query per sequence over its paged context, parallel over sequences and KV heads;
+* :func:`w8_linear` (``native/cpu_w8.c``): an 8-bit weight with one scale per row (the LM head of
+  ``cpu_lowbit.int8_linear``) times activations held as int16 per row;
 * :func:`w4_linear` (``native/cpu_w4a16.c``, ``native/cpu_w4a8.c``; the layouts in ``native/cpu_w4_layout.h``,
   written by :func:`w4_pack`): the 4-bit matrix product of ``cpu_lowbit.py``, activations held as int16 per
   block of 32 (the default; within ~1e-5 of the exact product), or, with ``LIGHTINFER_CPU_W4=int8``, quantized
@@ -50,7 +52,8 @@ from .step_memo import step_memo
 logger = logging.getLogger("lightinfer")
 
 NATIVE_DIR = Path(__file__).resolve().parent / "native"
-SOURCES = tuple(NATIVE_DIR / name for name in ("cpu_decode_ops.c", "cpu_w4_pack.c", "cpu_w4a16.c", "cpu_w4a8.c"))
+SOURCES = tuple(NATIVE_DIR / name for name in ("cpu_decode_ops.c", "cpu_w4_pack.c", "cpu_w4a16.c", "cpu_w4a8.c",
+                                                "cpu_w8.c"))
 HEADERS = (NATIVE_DIR / "cpu_convert.h", NATIVE_DIR / "cpu_w4_layout.h")  # included: part of the build's cache key
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fno-strict-aliasing", "-shared", "-fPIC")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -65,6 +68,7 @@ _SIGNATURES = {
     "li_w4a16_linear": (_P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, _I),
     "li_w4a8_linear": (_P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, _I),
     "li_w4_dequant": (_P, _P, _I, _I, _I, _P, _I),
+    "li_w8_linear": (_P, _I, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I),
 }
 
 _lock = threading.Lock()
@@ -441,3 +445,37 @@ def _w4_dense(lib: NativeOps, x: torch.Tensor, packed: torch.Tensor, dm: torch.T
                           torch.get_num_threads())
         parts.append(torch.nn.functional.linear(xf, w, None if bias is None else bias[n0:n1]).to(out_dtype))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def w8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+              out_dtype: torch.dtype) -> torch.Tensor | None:
+    """``y = x W^T (+ bias)`` with ``W = scales[:, None] * qweight`` (``native/cpu_w8.c``): ``x`` quantized to
+    int16 with one scale per row (``max |x| / 32767``), int32 dot products, fp32 scaling; within ~1e-5 of the
+    exact product with the same weight (twin ``reference.w8_rows_gemm``).
+
+    Args:
+        x: ``[M, K]`` fp32 / bf16, contiguous.
+        qweight: int8 ``[N, K]``, contiguous, K a multiple of 32.
+        scales: bf16 ``[N]``.
+        bias: fp32 ``[N]`` or None.
+        out_dtype: fp32 or bf16.
+    Returns:
+        ``[M, N]`` in ``out_dtype``, or None where the C op does not apply (the caller's other path runs).
+    """
+    lib = library()
+    xdt, ydt = _DTYPES.get(x.dtype), _DTYPES.get(out_dtype)
+    if lib is None or xdt is None or ydt is None or x.dim() != 2 or not _usable(x, qweight, scales) or \
+            qweight.dtype != torch.int8 or scales.dtype != torch.bfloat16 or qweight.shape[1] % W4_BLOCK or \
+            x.shape[1] != qweight.shape[1] or (bias is not None and (bias.dtype != torch.float32 or not _usable(bias))):
+        return None
+    m, k = x.shape
+    n = qweight.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype)
+    if m == 0:
+        return y
+    work = _scratch_buffer((m * k * 2 + 3) // 4 + m + 1)  # int16 values (4-byte aligned), then a scale per row
+    lib.li_w8_linear(x.data_ptr(), xdt, m, k, qweight.data_ptr(), scales.data_ptr(), n,
+                     None if bias is None else bias.data_ptr(), y.data_ptr(), ydt, work.data_ptr(),
+                     torch.get_num_threads())
+    return y
+

@@ -59,6 +59,7 @@ __all__ = [
     "varlen_causal_attention",
     "w4_act_gemm",
     "w4a16_gemm",
+    "w8_rows_gemm",
     "window_start",
 ]
 
@@ -133,6 +134,18 @@ def w4_act_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     xf = x.to(torch.float32)
     y = quantize_act(xf, bits) @ (q * s.repeat_interleave(g, dim=1)).t()
     y = y + xf.reshape(*x.shape[:-1], k // g, g).sum(-1) @ m.t()
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype)
+
+
+def w8_rows_gemm(x: torch.Tensor, qweight: torch.Tensor, row_scales: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The CPU's C 8-bit product with one scale per row (``cpu_native.w8_linear``): :func:`quantize_act` of x
+    with 16 bits and one step per row, times ``row_scales[:, None] * qweight`` (int8 ``[N, K]``, scales ``[N]``),
+    fp32 sums, returned in ``x.dtype``."""
+    xq = quantize_act(x, bits=16, block=x.shape[-1])
+    y = xq @ (qweight.to(torch.float32) * row_scales.to(torch.float32).unsqueeze(1)).t()
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x.dtype)

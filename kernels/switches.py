@@ -19,7 +19,8 @@
 ``LIGHTINFER_CPU_W4``          on a CPU, the product of 4-bit layers (``cpu_lowbit.py``): ``c``
                                (default: the C product, activations int16 per block of 32), ``int8``
                                (the same with activations int8 per block of 32) or ``torch``
-                               (torch's int4 GEMM, bf16 activations)
+                               (torch's int4 GEMM, bf16 activations; also torch's int8 GEMM for an
+                               8-bit LM head, which the C product takes otherwise)
 =============================  ==================================================================
 
 The environment is read at the first :func:`current` call and never again: a launch costs a dict
@@ -63,6 +64,7 @@ class KernelSwitches:
         cpu_w4: on a CPU, the product of 4-bit layers (``cpu_lowbit.py``): ``"c"`` (the C product of
             ``cpu_native``, activations int16 per block of 32), ``"int8"`` (the same, activations int8)
             or ``"torch"`` (torch's int4 GEMM, bf16 activations; also where the C library does not build).
+            ``"torch"`` also keeps torch's int8 GEMM for an 8-bit LM head (else ``cpu_native.w8_linear``).
     """
 
     backend: str | None = None
