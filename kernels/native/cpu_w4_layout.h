@@ -183,4 +183,73 @@ static inline __attribute__((always_inline)) void w4_product(int M, int K, const
     }
 }
 
+/* acc + the int32 pair sums of a x b (int16 each): VNNI vpdpwssd, else vpmaddwd + vpaddd (cpu_w4a16.c, cpu_w8.c) */
+#if defined(W4_AVX2) && defined(__AVX512BW__)
+static inline __m512i w4_dot16(__m512i acc, __m512i a, __m512i b) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+#elif defined(W4_AVX2)
+static inline __m256i w4_dot16(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+#endif
+
+/* CALL(NR) for nr = 1..W4_TILE input rows, NR a compile-time constant: one unrolled body per row count */
+#if W4_TILE == 8
+#define W4_BY_ROWS(nr, CALL)                                                                                   \
+    switch (nr) {                                                                                              \
+    case 1: CALL(1); break;                                                                                    \
+    case 2: CALL(2); break;                                                                                    \
+    case 3: CALL(3); break;                                                                                    \
+    case 4: CALL(4); break;                                                                                    \
+    case 5: CALL(5); break;                                                                                    \
+    case 6: CALL(6); break;                                                                                    \
+    case 7: CALL(7); break;                                                                                    \
+    default: CALL(8); break;                                                                                   \
+    }
+#else
+#define W4_BY_ROWS(nr, CALL)                                                                                   \
+    switch (nr) {                                                                                              \
+    case 1: CALL(1); break;                                                                                    \
+    case 2: CALL(2); break;                                                                                    \
+    case 3: CALL(3); break;                                                                                    \
+    default: CALL(4); break;                                                                                   \
+    }
+#endif
+
+/* The input of a product quantized per block of 32 (w4_quantize_row): values (int8 or int16, interleaved), and
+ * per block a scale and the exact sum of x; rows K values (K / 32 blocks) apart. */
+struct w4_qinput {
+    const void* xq;
+    const float* dx;
+    const float* sx;
+};
+
+/* y [M, N] (fp32 or bf16) = x [M, K] (fp32 or bf16) W^T (+ bias fp32 [N] or NULL) for a product whose tiles read
+ * a w4_qinput of `bytes`-byte values: the rows quantized into work (at least M * (bytes * K + 8 * (K / 32)) + 4
+ * bytes, 4-byte aligned), then w4_product. */
+static inline __attribute__((always_inline)) void w4_quantized_product(
+    const void* x, int xdt, int M, int K, const uint8_t* w, const uint16_t* dm, int G, int N, const float* bias,
+    void* y, int ydt, void* work, int nthreads, int bytes, w4_tile_fn tile) {
+    int nb = K / 32;
+    size_t values = (size_t)M * K * bytes, xstride = (size_t)K * (xdt == DT_BF16 ? 2 : 4);
+    float* dx = (float*)((char*)work + values + (4 - values % 4) % 4);
+    float* sx = dx + (size_t)M * nb;
+    (void)nthreads;
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 8 && nthreads > 1)
+    for (int r = 0; r < M; r++)
+        w4_quantize_row((const char*)x + r * xstride, xdt, K, bytes, (char*)work + (size_t)r * K * bytes,
+                        dx + (size_t)r * nb, sx + (size_t)r * nb);
+    struct w4_qinput in = {work, dx, sx};
+    w4_product(M, K, w, dm, G, N, bias, y, ydt, nthreads, tile, &in);
+}
+
 #endif

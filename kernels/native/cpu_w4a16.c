@@ -28,23 +28,6 @@
 #if defined(W4_AVX2) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define W16_AVX512 1
 static const int32_t W16_PAIRS[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
-
-/* acc + the 16 int32 pair sums of a x b (32 int16 each) */
-static inline __m512i dot16(__m512i acc, __m512i a, __m512i b) {
-#ifdef __AVX512VNNI__
-    return _mm512_dpwssd_epi32(acc, a, b);
-#else
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
-#endif
-}
-#elif defined(W4_AVX2)
-static inline __m256i dot16(__m256i acc, __m256i a, __m256i b) {
-#if defined(__AVXVNNI__)
-    return _mm256_dpwssd_avx_epi32(acc, a, b);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
-}
 #endif
 
 /* acc[r] = sum_k W[n, k] x[r, k] for NR (a compile-time constant once inlined) input rows: w, row n's codes; dv
@@ -74,7 +57,7 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t* w, con
         _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {
             const int16_t* a = xq + (size_t)r * K + 256 * (size_t)sb;
             __m512i s[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-            _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) s[t % CH] = dot16(s[t % CH], q[t], _mm512_loadu_si512(a + 32 * t));
+            _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) s[t % CH] = w4_dot16(s[t % CH], q[t], _mm512_loadu_si512(a + 32 * t));
             if (CH == 2) s[0] = _mm512_add_epi32(s[0], s[1]);
             __m512 dx16 = _mm512_permutexvar_ps(
                 pairs, _mm512_castps256_ps512(_mm256_loadu_ps(dx + (size_t)r * nb + 8 * sb)));
@@ -86,7 +69,7 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t* w, con
         __m128i raw = _mm_loadu_si128((const __m128i*)(w + 16 * (size_t)b));
         __m512i q = _mm512_and_si512(_mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw)), low);
         _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {
-            __m512i s = dot16(_mm512_setzero_si512(), q, _mm512_loadu_si512(xq + (size_t)r * K + 32 * (size_t)b));
+            __m512i s = w4_dot16(_mm512_setzero_si512(), q, _mm512_loadu_si512(xq + (size_t)r * K + 32 * (size_t)b));
             total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(dv[b] * dx[(size_t)r * nb + b]), total[r]);
             offs[r] = _mm256_add_ps(offs[r], _mm256_setr_ps(mv[b] * sx[(size_t)r * nb + b], 0, 0, 0, 0, 0, 0, 0));
         }
@@ -109,7 +92,7 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t* w, con
                 __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(ws + 32 * (t / 2) + 16 * h)));
                 __m256i q = t & 1 ? _mm256_srli_epi16(v, 4) : _mm256_and_si256(v, low);
                 _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++)
-                    s[r][h] = dot16(s[r][h], q, _mm256_loadu_si256(
+                    s[r][h] = w4_dot16(s[r][h], q, _mm256_loadu_si256(
                                                     (const __m256i*)(xq + (size_t)r * K + 256 * (size_t)sb + 32 * t + 16 * h)));
             }
         }
@@ -129,7 +112,7 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t* w, con
         __m256i q1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), l4));
         _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {
             const int16_t* a = xq + (size_t)r * K + 32 * (size_t)b;
-            __m256i s = dot16(dot16(_mm256_setzero_si256(), q0, _mm256_loadu_si256((const __m256i*)a)), q1,
+            __m256i s = w4_dot16(w4_dot16(_mm256_setzero_si256(), q0, _mm256_loadu_si256((const __m256i*)a)), q1,
                               _mm256_loadu_si256((const __m256i*)(a + 16)));
             total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dv[b] * dx[(size_t)r * nb + b]), total[r]);
             total[r] = _mm256_add_ps(total[r], _mm256_setr_ps(mv[b] * sx[(size_t)r * nb + b], 0, 0, 0, 0, 0, 0, 0));
@@ -154,49 +137,21 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t* w, con
 #endif
 }
 
-struct q16_input {
-    const int16_t* xq; /* [M, K], interleaved */
-    const float* dx;   /* [M, K / 32] */
-    const float* sx;   /* [M, K / 32] */
-};
-
-/* the w4_tile_fn of this product */
+/* the w4_tile_fn of this product: in is the struct w4_qinput of the whole input (int16 values) */
 static void dot_tile(const uint8_t* w, const float* dv, const float* mv, int K, const void* in, int r0, int nr,
                      int no, float* acc) {
-    const struct q16_input* p = (const struct q16_input*)in;
-    const int16_t* xq = p->xq + (size_t)r0 * K;
+    const struct w4_qinput* p = (const struct w4_qinput*)in;
+    const int16_t* xq = (const int16_t*)p->xq + (size_t)r0 * K;
     const float* dx = p->dx + (size_t)r0 * (K / 32);
     const float* sx = p->sx + (size_t)r0 * (K / 32);
-    for (int o = 0; o < no; o++, w += K / 2, dv += K / 32, mv += K / 32, acc += W4_TILE) {
-        switch (nr) { /* constant row counts: one unrolled body each */
-        case 1: dot_rows(w, dv, mv, K, xq, dx, sx, 1, acc); break;
-        case 2: dot_rows(w, dv, mv, K, xq, dx, sx, 2, acc); break;
-        case 3: dot_rows(w, dv, mv, K, xq, dx, sx, 3, acc); break;
-#if W4_TILE == 8
-        case 4: dot_rows(w, dv, mv, K, xq, dx, sx, 4, acc); break;
-        case 5: dot_rows(w, dv, mv, K, xq, dx, sx, 5, acc); break;
-        case 6: dot_rows(w, dv, mv, K, xq, dx, sx, 6, acc); break;
-        case 7: dot_rows(w, dv, mv, K, xq, dx, sx, 7, acc); break;
-#endif
-        default: dot_rows(w, dv, mv, K, xq, dx, sx, W4_TILE, acc); break;
-        }
-    }
+#define DOT(NR) dot_rows(w, dv, mv, K, xq, dx, sx, NR, acc)
+    for (int o = 0; o < no; o++, w += K / 2, dv += K / 32, mv += K / 32, acc += W4_TILE) W4_BY_ROWS(nr, DOT)
+#undef DOT
 }
 
 /* y [M, N] (fp32 or bf16) = x [M, K] (fp32 or bf16) W^T (+ bias fp32 [N] or NULL).
  * work: at least M * (2 * K + 8 * (K / 32)) + 4 bytes, 4-byte aligned (the quantized input). */
 void li_w4a16_linear(const void* x, int xdt, int M, int K, const uint8_t* w, const uint16_t* dm, int G, int N,
                      const float* bias, void* y, int ydt, void* work, int nthreads) {
-    int nb = K / 32;
-    int16_t* xq = (int16_t*)work;
-    float* dx = (float*)(xq + (size_t)M * K + ((size_t)M * K) % 2);
-    float* sx = dx + (size_t)M * nb;
-    size_t xstride = (size_t)K * (xdt == DT_BF16 ? 2 : 4);
-    (void)nthreads;
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 8 && nthreads > 1)
-    for (int r = 0; r < M; r++)
-        w4_quantize_row((const char*)x + r * xstride, xdt, K, 2, xq + (size_t)r * K, dx + (size_t)r * nb,
-                        sx + (size_t)r * nb);
-    struct q16_input in = {xq, dx, sx};
-    w4_product(M, K, w, dm, G, N, bias, y, ydt, nthreads, dot_tile, &in);
+    w4_quantized_product(x, xdt, M, K, w, dm, G, N, bias, y, ydt, work, nthreads, 2, dot_tile);
 }

@@ -91,49 +91,21 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t* w, con
 #endif
 }
 
-/* the w4_tile_fn of this product: in is the struct q8_input of the whole input */
-struct q8_input {
-    const int8_t* xq; /* [M, K], interleaved */
-    const float* dx;  /* [M, K / 32] */
-    const float* sx;  /* [M, K / 32] */
-};
-
+/* the w4_tile_fn of this product: in is the struct w4_qinput of the whole input (int8 values) */
 static void dot_tile(const uint8_t* w, const float* dv, const float* mv, int K, const void* in, int r0, int nr,
                      int no, float* acc) {
-    const struct q8_input* p = (const struct q8_input*)in;
-    const int8_t* xq = p->xq + (size_t)r0 * K;
+    const struct w4_qinput* p = (const struct w4_qinput*)in;
+    const int8_t* xq = (const int8_t*)p->xq + (size_t)r0 * K;
     const float* dx = p->dx + (size_t)r0 * (K / 32);
     const float* sx = p->sx + (size_t)r0 * (K / 32);
-    for (int o = 0; o < no; o++, w += K / 2, dv += K / 32, mv += K / 32, acc += W4_TILE) {
-        switch (nr) { /* constant row counts: one unrolled body each */
-        case 1: dot_rows(w, dv, mv, K, xq, dx, sx, 1, acc); break;
-        case 2: dot_rows(w, dv, mv, K, xq, dx, sx, 2, acc); break;
-        case 3: dot_rows(w, dv, mv, K, xq, dx, sx, 3, acc); break;
-#if W4_TILE == 8
-        case 4: dot_rows(w, dv, mv, K, xq, dx, sx, 4, acc); break;
-        case 5: dot_rows(w, dv, mv, K, xq, dx, sx, 5, acc); break;
-        case 6: dot_rows(w, dv, mv, K, xq, dx, sx, 6, acc); break;
-        case 7: dot_rows(w, dv, mv, K, xq, dx, sx, 7, acc); break;
-#endif
-        default: dot_rows(w, dv, mv, K, xq, dx, sx, W4_TILE, acc); break;
-        }
-    }
+#define DOT(NR) dot_rows(w, dv, mv, K, xq, dx, sx, NR, acc)
+    for (int o = 0; o < no; o++, w += K / 2, dv += K / 32, mv += K / 32, acc += W4_TILE) W4_BY_ROWS(nr, DOT)
+#undef DOT
 }
 
 /* y [M, N] (fp32 or bf16) = x [M, K] (fp32 or bf16) W^T (+ bias fp32 [N] or NULL).
- * work: at least M * (K + 8 * (K / 32)) + 4 bytes (the quantized input). */
+ * work: at least M * (K + 8 * (K / 32)) + 4 bytes, 4-byte aligned (the quantized input). */
 void li_w4a8_linear(const void* x, int xdt, int M, int K, const uint8_t* w, const uint16_t* dm, int G, int N,
                     const float* bias, void* y, int ydt, void* work, int nthreads) {
-    int nb = K / 32;
-    int8_t* xq = (int8_t*)work;
-    float* dx = (float*)(xq + (size_t)M * K + ((4 - ((size_t)M * K) % 4) % 4));
-    float* sx = dx + (size_t)M * nb;
-    size_t xstride = (size_t)K * (xdt == DT_BF16 ? 2 : 4);
-    (void)nthreads;
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 8 && nthreads > 1)
-    for (int r = 0; r < M; r++)
-        w4_quantize_row((const char*)x + r * xstride, xdt, K, 1, xq + (size_t)r * K, dx + (size_t)r * nb,
-                        sx + (size_t)r * nb);
-    struct q8_input in = {xq, dx, sx};
-    w4_product(M, K, w, dm, G, N, bias, y, ydt, nthreads, dot_tile, &in);
+    w4_quantized_product(x, xdt, M, K, w, dm, G, N, bias, y, ydt, work, nthreads, 1, dot_tile);
 }

@@ -42,21 +42,6 @@ static void w8_quantize_row(const void* x, int dt, int K, int16_t* xq, float* dx
 
 #if defined(W4_AVX2) && defined(__AVX512BW__)
 #define W8_AVX512 1
-static inline __m512i w8_dot(__m512i acc, __m512i a, __m512i b) {
-#ifdef __AVX512VNNI__
-    return _mm512_dpwssd_epi32(acc, a, b);
-#else
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
-#endif
-}
-#elif defined(W4_AVX2)
-static inline __m256i w8_dot(__m256i acc, __m256i a, __m256i b) {
-#if defined(__AVXVNNI__)
-    return _mm256_dpwssd_avx_epi32(acc, a, b);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
-}
 #endif
 
 /* acc[r] = sum_k q[k] xq[r, k] (as fp32) for NR (a compile-time constant once inlined) input rows */
@@ -73,12 +58,12 @@ static inline __attribute__((always_inline)) void w8_rows(const int8_t* q, int K
             _Pragma("GCC unroll 4") for (int c = 0; c < CH; c++) {
                 __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(q + k + 32 * c)));
                 _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++)
-                    s[r][c] = w8_dot(s[r][c], w, _mm512_loadu_si512(xq + (size_t)r * K + k + 32 * c));
+                    s[r][c] = w4_dot16(s[r][c], w, _mm512_loadu_si512(xq + (size_t)r * K + k + 32 * c));
             }
         for (; k + 32 <= k1; k += 32) {
             __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(q + k)));
             _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++)
-                s[r][0] = w8_dot(s[r][0], w, _mm512_loadu_si512(xq + (size_t)r * K + k));
+                s[r][0] = w4_dot16(s[r][0], w, _mm512_loadu_si512(xq + (size_t)r * K + k));
         }
         _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {
             __m512i t = _mm512_add_epi32(_mm512_add_epi32(s[r][0], s[r][1]), _mm512_add_epi32(s[r][2], s[r][3]));
@@ -91,7 +76,7 @@ static inline __attribute__((always_inline)) void w8_rows(const int8_t* q, int K
             _Pragma("GCC unroll 2") for (int c = 0; c < 2; c++) {
                 __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + k + 16 * c)));
                 _Pragma("GCC unroll 4") for (int r = 0; r < NR; r++)
-                    s[r][c] = w8_dot(s[r][c], w, _mm256_loadu_si256((const __m256i*)(xq + (size_t)r * K + k + 16 * c)));
+                    s[r][c] = w4_dot16(s[r][c], w, _mm256_loadu_si256((const __m256i*)(xq + (size_t)r * K + k + 16 * c)));
             }
         _Pragma("GCC unroll 4") for (int r = 0; r < NR; r++) {
             acc[r] += w4_hsum8(_mm256_cvtepi32_ps(_mm256_add_epi32(s[r][0], s[r][1])));
@@ -103,18 +88,9 @@ static inline __attribute__((always_inline)) void w8_rows(const int8_t* q, int K
 }
 
 static void w8_tile(const int8_t* q, int K, const int16_t* xq, int nr, float* acc) {
-    switch (nr) { /* constant row counts: one unrolled body each */
-    case 1: w8_rows(q, K, xq, 1, acc); break;
-    case 2: w8_rows(q, K, xq, 2, acc); break;
-    case 3: w8_rows(q, K, xq, 3, acc); break;
-#if W4_TILE == 8
-    case 4: w8_rows(q, K, xq, 4, acc); break;
-    case 5: w8_rows(q, K, xq, 5, acc); break;
-    case 6: w8_rows(q, K, xq, 6, acc); break;
-    case 7: w8_rows(q, K, xq, 7, acc); break;
-#endif
-    default: w8_rows(q, K, xq, W4_TILE, acc); break;
-    }
+#define DOT(NR) w8_rows(q, K, xq, NR, acc)
+    W4_BY_ROWS(nr, DOT)
+#undef DOT
 }
 
 /* y [M, N] (fp32 or bf16) = x [M, K] (fp32 or bf16) W^T (+ bias fp32 [N] or NULL), W = s * q: q int8 [N, K],

@@ -23,7 +23,7 @@ def _c_product() -> Iterator[None]:
         yield
 
 
-def _weight(n: int, k: int, g: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def w4_weight(n: int, k: int, g: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A W4 run-time weight (qweight int32 [N, K // 8], scales and integer zeros [K // G, N]) with fp16 scales,
     as AWQ and GGUF store them."""
     gen = torch.Generator().manual_seed(seed)
@@ -33,7 +33,7 @@ def _weight(n: int, k: int, g: int, seed: int = 0) -> tuple[torch.Tensor, torch.
     return pack_int4_rows(codes), scales, zeros
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
@@ -44,19 +44,19 @@ def test_the_c_product_is_its_reference_twin(n: int, k: int, g: int, rows: int) 
     """Every row count of a tile and its remainder, K with and without blocks after the last 8-block group
     (576 = 2 x 256 + 64; 96 has none of 256), groups of 32 to 128, fp32 and bf16 inputs and outputs: the twin up
     to fp32 summation order."""
-    qweight, scales, zeros = _weight(n, k, g)
+    qweight, scales, zeros = w4_weight(n, k, g)
     prepared = prepare_w4_cpu(qweight, scales, zeros)
     assert isinstance(prepared, CpuW4Weight) and not prepared.int8_activations
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(n)
-    assert _rel(quant_linear(x, prepared, bias), ref.w4_act_gemm(x, qweight, scales, zeros, bias)) < 1e-6
+    assert rel_err(quant_linear(x, prepared, bias), ref.w4_act_gemm(x, qweight, scales, zeros, bias)) < 1e-6
     xb = x.bfloat16()
     got = quant_linear(xb, prepared, bias, out_dtype=torch.float32)
     assert got.dtype == torch.float32
-    assert _rel(got, ref.w4_act_gemm(xb.float(), qweight, scales, zeros, bias)) < 1e-6
+    assert rel_err(got, ref.w4_act_gemm(xb.float(), qweight, scales, zeros, bias)) < 1e-6
     got_bf16 = quant_linear(xb, prepared, bias)
     assert got_bf16.dtype == torch.bfloat16
-    assert _rel(got_bf16, ref.w4_act_gemm(xb.float(), qweight, scales, zeros, bias)) < 4e-3  # output rounding
+    assert rel_err(got_bf16, ref.w4_act_gemm(xb.float(), qweight, scales, zeros, bias)) < 4e-3  # output rounding
 
 
 @needs_native
@@ -64,7 +64,7 @@ def test_the_c_product_is_its_reference_twin(n: int, k: int, g: int, rows: int) 
 def test_output_counts_that_are_not_a_whole_tile(n: int) -> None:
     """``cpu_native.w4_linear`` takes any N, though the engine's layers have multiples of 16: output tiles of
     fewer than 4 rows and chunks of fewer than 16."""
-    qweight, scales, zeros = _weight(n, 320, 32, seed=n)
+    qweight, scales, zeros = w4_weight(n, 320, 32, seed=n)
     codes = ref.unpack_int4_rows(qweight).to(torch.uint8)
     packed = cpu_native.w4_pack(codes)
     s = scales.t()
@@ -83,13 +83,13 @@ def test_output_counts_that_are_not_a_whole_tile(n: int) -> None:
 def test_int16_activations_are_all_but_exact() -> None:
     """15 bits per block of 32 hold a bf16 activation exactly unless it is 2^7 times smaller than its block's
     largest: against the fp32 product with the weight the layout holds, ~1e-5 of the output's norm."""
-    qweight, scales, zeros = _weight(256, 1536, 32)
+    qweight, scales, zeros = w4_weight(256, 1536, 32)
     x = torch.randn(4, 1536)
     exact = x @ ref.dequantize_w4_dm16(qweight, scales, zeros).t()
-    err = _rel(quant_linear(x, prepare_w4_cpu(qweight, scales, zeros)), exact)
+    err = rel_err(quant_linear(x, prepare_w4_cpu(qweight, scales, zeros)), exact)
     assert err < 5e-5, err
     xb = torch.randn(4, 1536).bfloat16()
-    assert _rel(quant_linear(xb, prepare_w4_cpu(qweight, scales, zeros), out_dtype=torch.float32),
+    assert rel_err(quant_linear(xb, prepare_w4_cpu(qweight, scales, zeros), out_dtype=torch.float32),
                 xb.float() @ ref.dequantize_w4_dm16(qweight, scales, zeros).t()) < 5e-5
 
 
@@ -98,12 +98,12 @@ def test_more_exact_than_torchs_int4_gemm() -> None:
     """int16 activations and fp16 (d, m): closer to the fp32 product with the dequantized weight than torch's
     int4 GEMM, which rounds x and its (scale, offset) pairs to bf16 (measured 3e-4 against 2.7e-3 here; what is
     left is the offsets' fp16 rounding)."""
-    qweight, scales, zeros = _weight(256, 1536, 32)
+    qweight, scales, zeros = w4_weight(256, 1536, 32)
     x = torch.randn(4, 1536)
     exact = ref.w4a16_gemm(x, qweight, scales, zeros)
-    c = _rel(quant_linear(x, prepare_w4_cpu(qweight, scales, zeros)), exact)
+    c = rel_err(quant_linear(x, prepare_w4_cpu(qweight, scales, zeros)), exact)
     with switches.override(cpu_w4="torch"):
-        torch_err = _rel(quant_linear(x, prepare_w4_cpu(qweight, scales, zeros)), exact)
+        torch_err = rel_err(quant_linear(x, prepare_w4_cpu(qweight, scales, zeros)), exact)
     assert c < torch_err / 4, (c, torch_err)
 
 
@@ -111,37 +111,37 @@ def test_more_exact_than_torchs_int4_gemm() -> None:
 def test_many_rows_take_the_dense_path_exactly() -> None:
     """From W4_DENSE_ROWS rows the weight is dequantized into a buffer and torch's fp32 GEMM multiplies, in
     slices of rows when the layer is larger than the buffer."""
-    qweight, scales, zeros = _weight(208, 576, 64)
+    qweight, scales, zeros = w4_weight(208, 576, 64)
     prepared = prepare_w4_cpu(qweight, scales, zeros)
     x = torch.randn(cpu_native.W4_DENSE_ROWS + 5, 576)
     want = x @ ref.dequantize_w4_dm16(qweight, scales, zeros).t()
-    assert _rel(quant_linear(x, prepared), want) < 1e-5
+    assert rel_err(quant_linear(x, prepared), want) < 1e-5
     small = cpu_native.W4_DENSE_FLOATS
     try:
         cpu_native.W4_DENSE_FLOATS = 576 * 48  # 48 rows at a time: 5 slices
-        assert _rel(quant_linear(x, prepared), want) < 1e-5
+        assert rel_err(quant_linear(x, prepared), want) < 1e-5
     finally:
         cpu_native.W4_DENSE_FLOATS = small
 
 
 @needs_native
 def test_act_order_bias_dtypes_and_3d_inputs() -> None:
-    qweight, scales, zeros = _weight(64, 256, 32)
+    qweight, scales, zeros = w4_weight(64, 256, 32)
     perm = torch.randperm(256, generator=torch.Generator().manual_seed(3))
     prepared = prepare_w4_cpu(qweight, scales, zeros, input_perm=perm)
     x = torch.randn(2, 3, 256)
     bias = torch.randn(64).bfloat16()  # a bf16 bias (Qwen's q/k/v) is widened, not rounded further
     want = ref.w4_act_gemm(x[..., perm].reshape(6, 256), qweight, scales, zeros, bias.float()).reshape(2, 3, 64)
     got = quant_linear(x, prepared, bias)
-    assert got.shape == (2, 3, 64) and _rel(got, want) < 1e-6
+    assert got.shape == (2, 3, 64) and rel_err(got, want) < 1e-6
     half = quant_linear(x.half(), prepared)  # fp16 activations are widened to fp32 first
-    assert half.dtype == torch.float16 and _rel(half, want - bias.float()) < 1e-3
+    assert half.dtype == torch.float16 and rel_err(half, want - bias.float()) < 1e-3
 
 
 def test_the_switch_and_odd_scales_keep_torchs_int4_gemm() -> None:
     """``LIGHTINFER_CPU_W4=torch``, and any machine without the C library, keeps torch's layout with bf16
     activations; so do scales that fp16 would not hold (below its normal range)."""
-    qweight, scales, zeros = _weight(64, 256, 32)
+    qweight, scales, zeros = w4_weight(64, 256, 32)
     with switches.override(cpu_w4="torch"):
         assert isinstance(prepare_w4_cpu(qweight, scales, zeros), CpuQuantWeight)
     with switches.override(cpu_native=False):
@@ -163,7 +163,7 @@ def test_an_unknown_product_name_is_a_clear_error() -> None:
 @needs_native
 @pytest.mark.parametrize("mode", ["c", "int8"])
 def test_the_c_layouts_keep_the_memory_of_torchs(mode: str) -> None:
-    qweight, scales, zeros = _weight(256, 576, 32)
+    qweight, scales, zeros = w4_weight(256, 576, 32)
     with switches.override(cpu_w4=mode):
         c = prepare_w4_cpu(qweight, scales, zeros)
     with switches.override(cpu_w4="torch"):

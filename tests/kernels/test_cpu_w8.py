@@ -10,6 +10,7 @@ import torch
 from lightinfer.kernels import cpu_native, switches
 from lightinfer.kernels import reference as ref
 from lightinfer.kernels.cpu_lowbit import CpuInt8Weight, int8_linear, int8pack_available
+from tests.kernels.test_cpu_w4 import rel_err
 
 needs_native = pytest.mark.skipif(cpu_native.find_compiler() is None, reason="no C compiler on this machine")
 
@@ -18,10 +19,6 @@ def _weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
     return q, (torch.rand(n, generator=gen) * 0.01 + 1e-3).bfloat16()
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 @needs_native
@@ -35,10 +32,10 @@ def test_the_c_product_is_its_reference_twin(n: int, k: int, rows: int) -> None:
     bias = torch.randn(n)
     got = cpu_native.w8_linear(x, q, s, bias, torch.float32)
     assert got is not None and got.shape == (rows, n)
-    assert _rel(got, ref.w8_rows_gemm(x, q, s, bias)) < 1e-6
+    assert rel_err(got, ref.w8_rows_gemm(x, q, s, bias)) < 1e-6
     got_bf16 = cpu_native.w8_linear(x.bfloat16(), q, s, None, torch.bfloat16)
     assert got_bf16.dtype == torch.bfloat16
-    assert _rel(got_bf16, ref.w8_rows_gemm(x.bfloat16().float(), q, s)) < 4e-3  # output rounding
+    assert rel_err(got_bf16, ref.w8_rows_gemm(x.bfloat16().float(), q, s)) < 4e-3  # output rounding
 
 
 @needs_native
@@ -47,11 +44,11 @@ def test_int16_rows_are_all_but_exact_and_closer_than_torchs_bf16() -> None:
     x = torch.randn(4, 576)
     exact = x @ (q.float() * s.float()[:, None]).t()
     weight = CpuInt8Weight(512, 576, q, s)
-    c = _rel(int8_linear(x, weight), exact)
+    c = rel_err(int8_linear(x, weight), exact)
     assert c < 1e-4, c
     if int8pack_available():
         with switches.override(cpu_w4="torch"):
-            torch_err = _rel(int8_linear(x, weight), exact)
+            torch_err = rel_err(int8_linear(x, weight), exact)
         assert c < torch_err, (c, torch_err)
 
 
@@ -64,7 +61,7 @@ def test_the_int8_linear_takes_act_order_3d_and_a_bias() -> None:
     bias = torch.randn(48).bfloat16()
     got = int8_linear(x, weight, bias)
     want = ref.w8_rows_gemm(x[..., perm].reshape(6, 256), q, s, bias.float()).reshape(2, 3, 48)
-    assert got.shape == (2, 3, 48) and got.dtype == torch.float32 and _rel(got, want) < 1e-6
+    assert got.shape == (2, 3, 48) and got.dtype == torch.float32 and rel_err(got, want) < 1e-6
 
 
 @needs_native
