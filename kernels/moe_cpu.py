@@ -12,10 +12,15 @@ The weights are prepared once per layer (:func:`prepare_experts`, kept in ``Expe
   ``layers/cpu_gemm.py`` does for the dense linears): exact, 4 bytes per weight, 1.5-3.5x faster than
   ``F.linear`` from 4 rows on (2048 x 768 at 16 rows: 744 -> 309 us, one thread). What an fp32 engine uses.
 * ``dense``: one ``[E, N, K]`` tensor in the activation dtype, ``F.linear``: the fallback.
+* ``c``: the C 4-bit product of the dense layers (``cpu_native.w4_linear``: activations int16 per block of 32,
+  or int8 with ``LIGHTINFER_CPU_W4=int8``) over each expert's codes in that product's layout with fp16
+  ``(d, m)`` per group: half a byte per weight, as ``int4``, and the same product the decoder's 4-bit layers use.
+  What a bf16/fp16 engine uses where the C library builds and the group is a multiple of 32 (and scales fit
+  fp16: else ``int4``), any N; and the host-resident experts of a GPU engine (``--cpu-experts``).
 * ``int4``: torch's CPU int4 GEMM (``_weight_int4pack_mm_for_cpu``, what the torch wheel ships) over each
   expert's codes, with the zero point folded into a float offset per group (``(8 - z) * s``, exact for
-  fractional zeros too): half a byte per weight, activations in 16 bits. What a bf16/fp16 engine uses, and
-  the host-resident experts of a GPU engine (``--cpu-experts``), where a 30B model's experts must stay 4-bit.
+  fractional zeros too): half a byte per weight, activations in 16 bits. What a bf16/fp16 engine uses without
+  the C library (or with ``LIGHTINFER_CPU_W4=torch``), where a 30B model's experts must stay 4-bit all the same.
   torch's kernel takes N a multiple of 16; other shapes fall back to ``dense``.
 
 Every form of a W4 stack is a copy of it: once a layer is prepared for good (``FusedMoE.pack_for_cpu``) the layer
@@ -35,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import cpu_native, switches
 from .moe import ExpertWeights, check_moe_args
 from .w4_layout import dequantize_w4, unpack_int4_rows
 
@@ -52,11 +58,13 @@ class CpuExperts:
     """Stacked experts in the form the CPU GEMMs read (module docstring).
 
     Attributes:
-        kind: ``"dense"`` or ``"int4"``.
+        kind: ``"dense"``, ``"onednn"``, ``"c"`` or ``"int4"``.
         dtype: the activation dtype they were prepared for.
         weight: ``dense``: ``[E, N, K]`` in ``dtype``.
         packed: ``int4``: per expert torch's packed codes; scale_zeros ``[E, K // G, N, 2]`` in ``dtype``
-            (scale, and the float offset ``(8 - z) * s``); group_size G.
+            (scale, and the float offset ``(8 - z) * s``); group_size G. ``c``: per expert uint8 ``[N, K / 2]``
+            in ``cpu_native.w4_pack``'s layout; scale_zeros fp16 ``[E, N, 2, K // G]`` (d, then m = -z s).
+        int8_activations: ``c`` with ``LIGHTINFER_CPU_W4=int8``.
     """
 
     kind: str
@@ -65,11 +73,19 @@ class CpuExperts:
     packed: list[torch.Tensor] | None = None  # int4: torch's int4 packing; onednn: oneDNN's blocked fp32
     scale_zeros: torch.Tensor | None = None
     group_size: int = 0
+    int8_activations: bool = False
 
     def matmul(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """``x [M, K] @ W_expert^T`` -> ``[M, N]`` in ``x.dtype``."""
         if self.kind == "dense":
             return F.linear(x, self.weight[expert])
+        if self.kind == "c":
+            xc = x.contiguous() if x.dtype in (torch.float32, torch.bfloat16) else x.to(torch.float32).contiguous()
+            y = cpu_native.w4_linear(xc, self.packed[expert], self.scale_zeros[expert], self.group_size, None,
+                                     xc.dtype, self.int8_activations)
+            if y is None:
+                raise RuntimeError("the C 4-bit product is unavailable after the experts were prepared for it")
+            return y.to(x.dtype)
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed[expert], None, "none", [], "")
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed[expert], self.group_size,
@@ -101,11 +117,21 @@ def onednn_available() -> bool:
         return False
 
 
+def c_product_available() -> bool:
+    """Whether the C 4-bit product serves W4 experts: the C library builds and ``LIGHTINFER_CPU_W4`` is not
+    ``torch``."""
+    return switches.current().cpu_w4 != "torch" and cpu_native.library() is not None
+
+
 def cpu_expert_kind(is_quantized: bool, dtype: torch.dtype, out_features: int, group_size: int) -> str:
-    """The CPU form of one expert stack (module docstring): ``int4`` for W4 experts (``is_quantized``) with 16-bit
-    activations where torch's kernel takes the shape (``out_features`` N a multiple of 16, ``group_size`` G one
-    of :data:`INT4_GROUP_SIZES`), ``onednn`` for fp32 activations where oneDNN works, else ``dense``. The one rule
+    """The CPU form of one expert stack (module docstring): for W4 experts (``is_quantized``) with 16-bit
+    activations ``c`` where the C product serves (:func:`c_product_available`, ``group_size`` G a multiple of 32),
+    else ``int4`` where torch's kernel takes the shape (``out_features`` N a multiple of 16, G one of
+    :data:`INT4_GROUP_SIZES`); ``onednn`` for fp32 activations where oneDNN works; else ``dense``. The one rule
     :func:`prepare_experts` prepares by and :func:`prepared_copy_nbytes` (the engine's estimates) counts by."""
+    if (is_quantized and dtype in (torch.bfloat16, torch.float16) and group_size % cpu_native.W4_BLOCK == 0
+            and c_product_available()):
+        return "c"
     if (is_quantized and dtype in (torch.bfloat16, torch.float16) and int4_gemm_available()
             and out_features % 16 == 0 and group_size in INT4_GROUP_SIZES):
         return "int4"
@@ -126,12 +152,14 @@ def prepared_copy_nbytes(is_quantized: bool, dtype: torch.dtype, num_experts: in
     activation dtype) for activations of ``dtype``, by arithmetic on :func:`cpu_expert_kind` (nothing built).
 
     ``int4``: torch's packed codes (uint8 ``[N, K // 2]`` per expert) and scale_zeros ``[E, K // G, N, 2]`` in
-    ``dtype``; ``onednn``: 4 bytes per weight; ``dense``: the dequantized ``[E, N, K]`` in ``dtype`` for W4
+    ``dtype``; ``c``: the same sizes (codes, and an fp16 pair per group and row); ``onednn``: 4 bytes per weight; ``dense``: the dequantized ``[E, N, K]`` in ``dtype`` for W4
     experts, 0 for dense ones (the stack itself, not a copy: ``FusedMoE.prepared_nbytes`` counts it so).
     """
     e, n, k = num_experts, out_features, in_features
     elem = torch.empty(0, dtype=dtype).element_size()
     kind = cpu_expert_kind(is_quantized, dtype, n, group_size)
+    if kind == "c":
+        return e * (n * k // 2 + (k // group_size) * n * 2 * 2)
     if kind == "int4":
         return e * (n * k // 2 + (k // group_size) * n * 2 * elem)
     if kind == "onednn":
@@ -154,7 +182,7 @@ def added_copy_nbytes(is_quantized: bool, dtype: torch.dtype, num_experts: int, 
     releases (``FusedMoE.pack_for_cpu`` puts a W4 stack on the meta device once every kind's copy replaces it:
     int4, prepacked fp32 and a dequantized dense copy alike; a dense stack is kept, its copy counted whole).
 
-    So ``int4``: 0 (the same sizes in another layout); ``onednn``: 4 bytes per weight, less the W4 stack;
+    So ``int4`` and ``c``: 0 (the same sizes in another layout); ``onednn``: 4 bytes per weight, less the W4 stack;
     ``dense`` from W4: the dequantized ``[E, N, K]`` in ``dtype``, less the W4 stack; dense 16-bit experts: 0.
     Never negative for the group sizes a W4 stack takes (G >= 8)."""
     copy = prepared_copy_nbytes(is_quantized, dtype, num_experts, out_features, in_features, group_size)
@@ -188,11 +216,41 @@ def prepare_experts(w: ExpertWeights, dtype: torch.dtype, kind: str | None = Non
         for e in range(w.num_experts):
             out[e] = dequantize_w4(w.qweight[e], w.scales[e], w.zeros[e]).to(dtype)
         return CpuExperts("dense", dtype, weight=out)
+    if kind == "c":
+        experts = _prepare_c(w, dtype)
+        if experts is not None:
+            return experts
+        # scales fp16 cannot hold (never in AWQ's or GGUF's fp16 ones): torch's layout, else dense
+        kind = "int4" if int4_gemm_available() and w.out_features % 16 == 0 and \
+            w.group_size in INT4_GROUP_SIZES else "dense"
+        return prepare_experts(w, dtype, kind)
     packed = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4_rows(w.qweight[e]), 1)
               for e in range(w.num_experts)]
     s = w.scales.to(torch.float32)
     scale_zeros = torch.stack([s, (8.0 - w.zeros.to(torch.float32)) * s], dim=-1).to(dtype).contiguous()
     return CpuExperts("int4", dtype, packed=packed, scale_zeros=scale_zeros, group_size=w.group_size)
+
+
+_FP16_MAX, _FP16_TINY = 65504.0, 2.0 ** -14
+
+
+def _prepare_c(w: ExpertWeights, dtype: torch.dtype) -> CpuExperts | None:
+    """The ``c`` form of a W4 stack, or None where a scale or offset is outside fp16's normal range."""
+    s = w.scales.to(torch.float32)  # [E, K // G, N]
+    m = -w.zeros.to(torch.float32) * s
+    a = s.abs()
+    if not bool(torch.isfinite(s).all() and torch.isfinite(m).all()) or float(a.max()) > _FP16_MAX or \
+            float(m.abs().max()) > _FP16_MAX or bool(((a < _FP16_TINY) & (a > 0)).any()):
+        return None
+    packed = []
+    for e in range(w.num_experts):
+        codes = cpu_native.w4_pack(unpack_int4_rows(w.qweight[e]).to(torch.uint8).contiguous())
+        if codes is None:
+            return None
+        packed.append(codes)
+    dm = torch.stack([s.transpose(1, 2), m.transpose(1, 2)], dim=2).to(torch.float16).contiguous()  # [E, N, 2, K/G]
+    return CpuExperts("c", dtype, packed=packed, scale_zeros=dm, group_size=w.group_size,
+                      int8_activations=switches.current().cpu_w4 == "int8")
 
 
 def prepared_for(w: ExpertWeights, dtype: torch.dtype) -> CpuExperts:

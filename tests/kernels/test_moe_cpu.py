@@ -1,5 +1,5 @@
 """The ``torch_cpu`` backend's mixture of experts (``kernels/moe_cpu.py``) against ``reference.fused_moe``: each
-expert on its routed tokens only, with dense and torch-int4 prepared weights."""
+expert on its routed tokens only, with dense, oneDNN, torch-int4 and C-product prepared weights."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import torch
 
 from lightinfer.kernels import get_backend
 from lightinfer.kernels import reference as ref
+from lightinfer.kernels import cpu_native
 from lightinfer.kernels.moe_cpu import (
+    c_product_available,
     choose_kind,
     int4_gemm_available,
     onednn_available,
@@ -16,6 +18,13 @@ from lightinfer.kernels.moe_cpu import (
     prepared_for,
 )
 from tests.kernels.test_triton_fused_moe import TOL, dense_experts, routed, w4_experts
+
+
+def w4_kind(n: int, group_size: int) -> str:
+    """What a W4 stack with 16-bit activations becomes here: the C product, else torch's int4 GEMM, else dense."""
+    if c_product_available() and group_size % 32 == 0:
+        return "c"
+    return "int4" if int4_gemm_available() and n % 16 == 0 else "dense"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -29,9 +38,8 @@ def test_w4_matches_reference(dtype: torch.dtype, t: int) -> None:
     weights, ids = routed(t, e, 2, gen)
     got = get_backend("torch_cpu").fused_moe(x, w13, w2, weights, ids)
     torch.testing.assert_close(got.float(), ref.fused_moe(x, w13, w2, weights, ids).float(), **TOL[dtype])
-    # fp32: oneDNN's prepacked GEMM (exact); 16-bit: torch's int4 GEMM, half a byte per weight
-    want_kind = ("int4" if int4_gemm_available() else "dense") if dtype != torch.float32 else (
-        "onednn" if onednn_available() else "dense")
+    # fp32: oneDNN's prepacked GEMM (exact); 16-bit: the C product or torch's int4 GEMM, half a byte per weight
+    want_kind = w4_kind(2 * inter, 32) if dtype != torch.float32 else ("onednn" if onednn_available() else "dense")
     assert w13.prepared.kind == w2.prepared.kind == want_kind
 
 
@@ -62,10 +70,15 @@ def test_only_routed_experts_compute(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_prepared_once_and_kinds() -> None:
     gen = torch.Generator().manual_seed(9)
     w = w4_experts(2, 48, 64, 32, torch.bfloat16, gen)
-    assert choose_kind(w, torch.bfloat16) == ("int4" if int4_gemm_available() else "dense")
+    assert choose_kind(w, torch.bfloat16) == w4_kind(48, 32)
     assert choose_kind(w, torch.float32) == ("onednn" if onednn_available() else "dense")
     odd = w4_experts(2, 40, 64, 32, torch.bfloat16, gen)  # N not a multiple of 16: torch's int4 GEMM refuses
-    assert choose_kind(odd, torch.bfloat16) == "dense"
+    assert choose_kind(odd, torch.bfloat16) == w4_kind(40, 32)
+    from lightinfer.kernels import switches
+
+    with switches.override(cpu_w4="torch"):
+        assert choose_kind(odd, torch.bfloat16) == "dense" and choose_kind(w, torch.bfloat16) == (
+            "int4" if int4_gemm_available() else "dense")
     first = prepared_for(w, torch.bfloat16)
     assert prepared_for(w, torch.bfloat16) is first  # kept, not made again
     dense = prepare_experts(w, torch.float32, "dense")
@@ -83,3 +96,24 @@ def test_fp32_kinds_agree(kind: str) -> None:
     weights, ids = routed(6, 4, 2, gen)
     torch.testing.assert_close(get_backend("torch_cpu").fused_moe(x, w13, w2, weights, ids),
                                ref.fused_moe(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(cpu_native.find_compiler() is None, reason="no C compiler: the C 4-bit product is not built")
+@pytest.mark.parametrize("int8", [False, True])
+def test_the_c_product_serves_experts_as_the_dense_layers(int8: bool) -> None:
+    """The ``c`` form (the decoder's 4-bit product) against the reference; with ``LIGHTINFER_CPU_W4=int8`` its
+    activations are int8 per block of 32 (looser)."""
+    from lightinfer.kernels import switches
+
+    gen = torch.Generator().manual_seed(11)
+    w13 = w4_experts(4, 96, 64, 32, torch.bfloat16, gen, fractional=True)
+    w2 = w4_experts(4, 64, 48, 16, torch.bfloat16, gen)  # K = 48: no group of 32 fits, torch's int4 or dense
+    with switches.override(cpu_w4="int8" if int8 else "c"):
+        w13.prepared, w2.prepared = prepare_experts(w13, torch.bfloat16), prepare_experts(w2, torch.bfloat16)
+    assert w13.prepared.kind == "c" and w13.prepared.int8_activations == int8 and w2.prepared.kind != "c"
+    assert w13.prepared.nbytes() == 4 * (96 * 64 // 2 + 2 * 96 * 2 * 2)  # codes, and an fp16 (d, m) per group
+    x = torch.randn(7, 64, generator=gen).bfloat16()
+    weights, ids = routed(7, 4, 2, gen)
+    got = get_backend("torch_cpu").fused_moe(x, w13, w2, weights, ids).float()
+    want = ref.fused_moe(x, w13, w2, weights, ids).float()
+    assert float((got - want).norm() / want.norm()) < (3e-2 if int8 else 1e-2)

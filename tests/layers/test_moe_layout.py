@@ -56,13 +56,16 @@ def test_mixed_group_sizes_are_refused_by_both() -> None:
 
 W4_16 = LinearFormat("w4", 16, source="GGUF Q4_0")  # a group torch's int4 kernel lacks (it takes 32..256)
 
-# name -> (quant config, expert intermediate size, the CPU forms kernels/moe_cpu.py prepares with bf16 activations)
+# name -> (quant config, expert intermediate size, the CPU forms kernels/moe_cpu.py prepares with bf16 activations
+# on torch's kernels, and where the C 4-bit product serves)
 COPY_CASES = {
-    "all W4": (_config({}), I, ("int4", "int4")),
-    # gate/up N = 2 x 36 = 72, not a multiple of 16: torch's int4 kernel cannot take it, dense fallback
-    "N not a multiple of 16": (_config({f"{PREFIX}.{e}.down_proj": W8 for e in range(E)}), 36, ("dense", "dense")),
-    "group 16": (_config({}, default=W4_16), I, ("dense", "dense")),
-    "dense model": (None, I, ("dense", "dense")),
+    "all W4": (_config({}), I, ("int4", "int4"), ("c", "c")),
+    # gate/up N = 2 x 36 = 72, not a multiple of 16: torch's int4 kernel cannot take it, dense fallback (the C
+    # product takes any N); the 8-bit down projection is dense either way
+    "N not a multiple of 16": (_config({f"{PREFIX}.{e}.down_proj": W8 for e in range(E)}), 36, ("dense", "dense"),
+                               ("c", "dense")),
+    "group 16": (_config({}, default=W4_16), I, ("dense", "dense"), ("dense", "dense")),
+    "dense model": (None, I, ("dense", "dense"), ("dense", "dense")),
 }
 
 
@@ -73,9 +76,9 @@ def test_estimated_cpu_copy_is_what_the_cpu_preparation_adds(case: str, dtype: t
     preparation really adds (``cpu_added_nbytes``: the copies' bytes less the W4 stacks it releases to the meta
     device): 0 for int4 codes plus their scale/offset pairs, the dense fallbacks' and oneDNN's fp32 prepack's
     size less the W4 stack, nothing for dense 16-bit stacks; ``stored + copy`` is what the layer then holds."""
-    from lightinfer.kernels.moe_cpu import int4_gemm_available, onednn_available
+    from lightinfer.kernels.moe_cpu import c_product_available, int4_gemm_available, onednn_available
 
-    qc, inter, kinds = COPY_CASES[case]
+    qc, inter, kinds, kinds_c = COPY_CASES[case]
     moe = make_experts(E, H, inter, dtype, qc, PREFIX)
     gen = torch.Generator().manual_seed(0)
     for t in (*moe.parameters(), *moe.buffers()):  # any finite values: the preparation's sizes do not depend on them
@@ -86,6 +89,8 @@ def test_estimated_cpu_copy_is_what_the_cpu_preparation_adds(case: str, dtype: t
     moe.pack_for_cpu()
     if dtype == torch.float32 and onednn_available():
         kinds = ("onednn", "onednn")
+    elif dtype != torch.float32 and c_product_available():
+        kinds = kinds_c
     elif not int4_gemm_available():
         kinds = ("dense", "dense")
     assert tuple(p.kind for p in moe._prepared) == kinds  # the case reaches the form it is meant to
@@ -96,7 +101,7 @@ def test_estimated_cpu_copy_is_what_the_cpu_preparation_adds(case: str, dtype: t
     assert all(getattr(moe, f"{s}_{p}").is_meta for s in w4 for p in ("qweight", "scales", "zeros"))
     held = sum(t.numel() * t.element_size() for t in (*moe.parameters(), *moe.buffers()) if not t.is_meta)
     assert held + moe.prepared_nbytes() == stored + estimate  # the layer holds the estimate, once
-    if kinds == ("int4", "int4"):
+    if kinds in (("int4", "int4"), ("c", "c")):
         assert estimate == 0  # the same codes and a scale/offset pair per group: the stacks' size
     if qc is None and dtype != torch.float32:
         assert estimate == 0  # dense 16-bit experts compute with their own stacks
