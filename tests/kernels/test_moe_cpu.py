@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightinfer.kernels import get_backend
+from lightinfer.kernels import cpu_native, get_backend
 from lightinfer.kernels import reference as ref
-from lightinfer.kernels import cpu_native
 from lightinfer.kernels.moe_cpu import (
     c_product_available,
     choose_kind,
