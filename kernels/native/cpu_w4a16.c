@@ -1,16 +1,17 @@
 /* The CPU's 4-bit matrix product with 16-bit activations (the default where this library builds):
  * y = x W^T with W in the interleaved 4-bit layout of cpu_w4_layout.h and x quantized to int16 per block of 32.
  *
- * Built with the other sources of kernels/native into one library by kernels/cpu_native.py; called through
- * ctypes from kernels/cpu_native.py (w4_linear). The structure is cpu_w4a8.c's with 16-bit integers:
+ * Built with the other sources of kernels/native into one library by kernels/cpu_native.py, which calls it
+ * (w4_linear). The structure is cpu_w4a8.c's with 16-bit integers:
  *
  *   input    x[r, k] ~ dx[r, b] * xq[r, k]                   xq in -32767..32767, one dx per block b of 32
  *   product  y[r, n] = sum_b d[n,b] dx[r,b] sum_{k in b} q[n,k] xq[r,k]  +  sum_b m[n,b] sx[r,b]
  *
- * with sx[r, b] the exact fp32 sum of x over block b (and d, m a block's group's). 15 bits per block of 32 hold a bf16 activation (8
- * significant bits) exactly unless it is more than 2^7 times smaller than its block's largest, and round it by at
- * most 2^-16 of that largest otherwise: the product is the exact one within ~1e-5 of its norm (fp32 activations
- * are rounded likewise), where int8 activations (cpu_w4a8.c) move it by ~1e-2. The integer sums are exact.
+ * with sx[r, b] the exact fp32 sum of x over block b (and d, m a block's group's). 15 bits per block of 32 hold
+ * a bf16 activation (8 significant bits) exactly unless it is more than 2^7 times smaller than its block's
+ * largest, and round it by at most 2^-16 of that largest otherwise: the product is the exact one within ~1e-5 of
+ * its norm (fp32 activations are rounded likewise), where int8 activations (cpu_w4a8.c) move it by ~1e-2. The
+ * integer sums are exact.
  *
  * AVX-512 (VNNI vpdpwssd, else vpmaddwd + vpaddd): a super-block's 256 codes widen to 8 vectors of 32 words,
  * word 4 i + j holding a value of block i, and 8 dot-product instructions per input row sum its 256 products

@@ -1,8 +1,8 @@
 /* The CPU's 4-bit matrix product with int8 activations (opt-in: LIGHTINFER_CPU_W4=int8): y = x W^T with W in
  * the 4-bit layout of cpu_w4_layout.h and x quantized to int8 per block of 32.
  *
- * Built with the other sources of kernels/native into one library by kernels/cpu_native.py; called through
- * ctypes from kernels/cpu_native.py (w4_linear with int8_activations). The scheme is llama.cpp's Q4_1 x Q8_1 dot product
+ * Built with the other sources of kernels/native into one library by kernels/cpu_native.py, which calls it
+ * (w4_linear with int8_activations). The scheme is llama.cpp's Q4_1 x Q8_1 dot product
  * (ggml-quants.c), with a group of G >= 32 weights sharing one (scale, offset):
  *
  *   input    x[r, k] ~ dx[r, b] * xq[r, k]                   xq in -127..127, one dx per block b of 32 along k
