@@ -169,6 +169,15 @@ class CpuW4Weight:
 _FP16_MAX, _FP16_TINY = 65504.0, 2.0 ** -14  # a (d, m) outside fp16's normal range keeps torch's layout
 
 
+def dm_fits_fp16(scales: torch.Tensor, offsets: torch.Tensor) -> bool:
+    """Whether fp32 scales ``d`` and offsets ``m`` (any shape) keep their precision as the C layout's fp16: all
+    finite, none beyond fp16's range, no nonzero scale below its normal range (AWQ's and GGUF's fp16 scales
+    always do). Where not, a weight keeps torch's int4 layout (MoE experts too, ``moe_cpu.py``)."""
+    a = scales.abs()
+    return bool(torch.isfinite(scales).all() and torch.isfinite(offsets).all()) and float(a.max()) <= _FP16_MAX \
+        and float(offsets.abs().max()) <= _FP16_MAX and not bool(((a < _FP16_TINY) & (a > 0)).any())
+
+
 def _prepare_w4_c(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                   input_perm: torch.Tensor | None) -> CpuW4Weight | None:
     """The C product's layout, or None where it does not apply (``LIGHTINFER_CPU_W4=torch``, no C library, K or
@@ -180,9 +189,7 @@ def _prepare_w4_c(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
         return None
     s = scales.to(torch.float32)
     m = -zeros.to(torch.float32) * s
-    small = s.abs()
-    if not bool(torch.isfinite(s).all() and torch.isfinite(m).all()) or float(small.max()) > _FP16_MAX or \
-            float(m.abs().max()) > _FP16_MAX or bool(((small < _FP16_TINY) & (small > 0)).any()):
+    if not dm_fits_fp16(s, m):
         return None
     chunks = []
     for start in range(0, n, _PACK_ROWS):  # bounded temporaries: one byte per code for _PACK_ROWS rows at a time

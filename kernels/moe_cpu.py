@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_native, switches
+from .cpu_lowbit import dm_fits_fp16
 from .moe import ExpertWeights, check_moe_args
 from .w4_layout import dequantize_w4, unpack_int4_rows
 
@@ -231,16 +232,11 @@ def prepare_experts(w: ExpertWeights, dtype: torch.dtype, kind: str | None = Non
     return CpuExperts("int4", dtype, packed=packed, scale_zeros=scale_zeros, group_size=w.group_size)
 
 
-_FP16_MAX, _FP16_TINY = 65504.0, 2.0 ** -14
-
-
 def _prepare_c(w: ExpertWeights, dtype: torch.dtype) -> CpuExperts | None:
     """The ``c`` form of a W4 stack, or None where a scale or offset is outside fp16's normal range."""
     s = w.scales.to(torch.float32)  # [E, K // G, N]
     m = -w.zeros.to(torch.float32) * s
-    a = s.abs()
-    if not bool(torch.isfinite(s).all() and torch.isfinite(m).all()) or float(a.max()) > _FP16_MAX or \
-            float(m.abs().max()) > _FP16_MAX or bool(((a < _FP16_TINY) & (a > 0)).any()):
+    if not dm_fits_fp16(s, m):
         return None
     packed = []
     for e in range(w.num_experts):
