@@ -29,6 +29,7 @@ are installed the library also holds a CPython extension module generated from :
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -67,7 +68,7 @@ _SIGNATURES = {
     "li_w4_pack": (_P, _P, ctypes.c_long, _I),
     "li_w4a16_linear": (_P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, _I),
     "li_w4a8_linear": (_P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, _I),
-    "li_w4_dequant": (_P, _P, _I, _I, _I, _P, _I),
+    "li_w4_dequant": (_P, _P, _I, _I, _I, _P, _I, _I),
     "li_w8_linear": (_P, _I, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I),
 }
 
@@ -365,9 +366,12 @@ def attend_decode(q: torch.Tensor, kv: PagedKV, block_tables: torch.Tensor, cont
 
 
 W4_BLOCK = 32  # the activation block of the 4-bit product (int8, one scale per 32 values, as llama.cpp's Q8)
-# From this many rows (a prefill) the weight is dequantized to fp32 into a per-thread buffer and multiplied by
-# torch's dense GEMM: measured faster than the block dot products there (bench/cpu_w4.py --gemm), and exact.
+# From this many rows (a prefill) the weight is dequantized into a per-thread buffer and multiplied by torch's
+# dense GEMM, where that was measured faster than the block dot products (bench/cpu_w4.py --gemm): to fp32 from
+# 64 rows (exact), to bf16 from 24 rows on a CPU that multiplies bf16 in hardware (bf16_gemm_native: ~4x the
+# fp32 GEMM, at 32 rows already 0.6-0.8x the block products' time on an AVX-512 EPYC, 2026-12-06).
 W4_DENSE_ROWS = 64
+W4_DENSE_ROWS_BF16 = 24
 W4_DENSE_FLOATS = 1 << 22  # the buffer's size cap (16 MB): larger layers are dequantized in slices of rows
 _dense = threading.local()
 
@@ -389,12 +393,13 @@ def w4_linear(x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor, group_siz
               bias: torch.Tensor | None, out_dtype: torch.dtype, int8_activations: bool = False) -> torch.Tensor | None:
     """``y = x W^T (+ bias)`` with ``W = d * q + m`` per group of ``group_size`` along K, fp32 sums.
 
-    Below :data:`W4_DENSE_ROWS` rows integer dot products take ``x`` quantized per block of 32 along K: to int16
+    Below :func:`dense_rows` rows integer dot products take ``x`` quantized per block of 32 along K: to int16
     by ``native/cpu_w4a16.c`` (within ~1e-5 of the exact product), or with ``int8_activations`` to int8 by
     ``native/cpu_w4a8.c`` (llama.cpp's Q4_1 x Q8 scheme); the offset term uses the exact fp32 sums of x
-    (``reference.w4_act_gemm`` is the twin). From :data:`W4_DENSE_ROWS` rows on, ``W`` is dequantized to fp32 (slices of rows into a
-    per-thread buffer of at most :data:`W4_DENSE_FLOATS` floats) and torch's dense GEMM multiplies with ``x`` as
-    it is.
+    (``reference.w4_act_gemm`` is the twin). From :func:`dense_rows` rows on, ``W`` is dequantized (slices of
+    rows into a per-thread buffer of at most :data:`W4_DENSE_FLOATS` values) and torch's dense GEMM multiplies
+    with ``x`` as it is: in fp32 (exact), or for a bf16 ``x`` on a CPU with bf16 hardware
+    (:func:`bf16_gemm_native`) in bf16 with fp32 sums, the weight rounded to bf16 (~0.1% of each value).
 
     Args:
         x: ``[M, K]`` fp32 / bf16, contiguous.
@@ -414,7 +419,7 @@ def w4_linear(x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor, group_siz
         return None
     m, k = x.shape
     n = packed.shape[0]
-    if m >= W4_DENSE_ROWS:
+    if m >= dense_rows(x.dtype):
         return _w4_dense(lib, x, packed, dm, group_size, bias, out_dtype)
     y = torch.empty(m, n, dtype=out_dtype)
     if m == 0:
@@ -428,22 +433,43 @@ def w4_linear(x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor, group_siz
     return y
 
 
+@functools.cache
+def bf16_gemm_native() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (x86 ``avx512_bf16`` or ``amx_bf16``; Linux flags), where
+    torch's bf16 GEMM (oneDNN) is measured ~4x its fp32 GEMM at a prefill's shapes (``bench/cpu_w4.py
+    --gemm``); without them oneDNN converts bf16 in software and fp32 is the safe choice."""
+    flags = _cpu_signature().split()
+    return ("avx512_bf16" in flags or "amx_bf16" in flags) and torch.backends.mkldnn.is_available()
+
+
+def dense_rows(dtype: torch.dtype) -> int:
+    """The rows from which :func:`w4_linear` of an input of ``dtype`` takes the dense path."""
+    return W4_DENSE_ROWS_BF16 if dtype == torch.bfloat16 and bf16_gemm_native() else W4_DENSE_ROWS
+
+
 def _w4_dense(lib: NativeOps, x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor, group_size: int,
               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """:func:`w4_linear` for many rows: the weight dequantized by slices, torch's fp32 GEMM, ``x`` unrounded."""
+    """:func:`w4_linear` for many rows: the weight dequantized by slices, torch's dense GEMM, ``x`` unrounded:
+    bf16 x bf16 (the weight rounded to bf16, fp32 sums) for a bf16 ``x`` where :func:`bf16_gemm_native`,
+    else fp32."""
     k, n = x.shape[1], packed.shape[0]
     rows = max(16, min(n, W4_DENSE_FLOATS // k))  # output rows dequantized at a time: bounded memory
+    gemm = torch.bfloat16 if x.dtype == torch.bfloat16 and bf16_gemm_native() else torch.float32
     buf = getattr(_dense, "buf", None)
-    if buf is None or buf.numel() < rows * k:
-        buf = _dense.buf = torch.empty(rows * k, dtype=torch.float32)
-    xf = x.to(torch.float32)
+    if buf is None or buf.numel() < rows * k or buf.dtype != gemm:
+        buf = _dense.buf = torch.empty(rows * k, dtype=gemm)
+    xg = x.to(gemm)
     parts = []
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
         w = buf[: (n1 - n0) * k].view(n1 - n0, k)
         lib.li_w4_dequant(packed[n0:n1].data_ptr(), dm[n0:n1].data_ptr(), group_size, n1 - n0, k, w.data_ptr(),
-                          torch.get_num_threads())
-        parts.append(torch.nn.functional.linear(xf, w, None if bias is None else bias[n0:n1]).to(out_dtype))
+                          _DTYPES[gemm], torch.get_num_threads())
+        b = None if bias is None else bias[n0:n1]
+        part = torch.nn.functional.linear(xg, w, b if gemm == torch.float32 else None)
+        if b is not None and gemm != torch.float32:
+            part = part.float() + b  # the fp32 bias, not rounded to bf16 first
+        parts.append(part.to(out_dtype))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 

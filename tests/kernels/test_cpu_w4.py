@@ -125,6 +125,47 @@ def test_many_rows_take_the_dense_path_exactly() -> None:
 
 
 @needs_native
+@pytest.mark.parametrize(("n", "k", "g"), [(48, 576, 64), (32, 1536, 32), (16, 96, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_dense_weight_is_the_twins_bit_for_bit(n: int, k: int, g: int, dtype: torch.dtype) -> None:
+    """li_w4_dequant (vectorised over super-blocks, plain blocks after them) writes d * q + m rounded once to
+    the buffer's dtype: K with and without trailing blocks."""
+    qweight, scales, zeros = w4_weight(n, k, g, seed=n)
+    prepared = prepare_w4_cpu(qweight, scales, zeros)
+    out = torch.empty(n, k, dtype=dtype)
+    cpu_native.library().li_w4_dequant(prepared.packed.data_ptr(), prepared.dm.data_ptr(), prepared.group_size, n,
+                                       k, out.data_ptr(), 1 if dtype == torch.bfloat16 else 0, 1)
+    want = ref.dequantize_w4_dm16(qweight, scales, zeros).float()
+    assert torch.equal(out, want.to(dtype))
+
+
+@needs_native
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_a_bf16_prefill_takes_the_bf16_gemm_where_the_cpu_has_it(monkeypatch: pytest.MonkeyPatch,
+                                                                  out_dtype: torch.dtype) -> None:
+    """With bf16 hardware (forced here: torch's bf16 GEMM runs anywhere, only slower) a bf16 input of
+    W4_DENSE_ROWS_BF16 rows takes the dense path in bf16: the weight rounded to bf16 (~2^-9 of each value), fp32
+    sums, the fp32 bias added before the output's rounding; fp32 inputs keep the exact fp32 GEMM."""
+    monkeypatch.setattr(cpu_native, "bf16_gemm_native", lambda: True)
+    assert cpu_native.dense_rows(torch.bfloat16) == cpu_native.W4_DENSE_ROWS_BF16 < cpu_native.W4_DENSE_ROWS
+    assert cpu_native.dense_rows(torch.float32) == cpu_native.W4_DENSE_ROWS
+    qweight, scales, zeros = w4_weight(208, 576, 32)
+    prepared = prepare_w4_cpu(qweight, scales, zeros)
+    x = torch.randn(cpu_native.W4_DENSE_ROWS_BF16, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
+    bias = torch.randn(208) * 100  # large enough that rounding it to bf16 first would show
+    want = x.float() @ ref.dequantize_w4_dm16(qweight, scales, zeros).float().t() + bias
+    got = quant_linear(x, prepared, bias, out_dtype=out_dtype)
+    assert got.dtype == out_dtype
+    assert rel_err(got, want) < (3e-3 if out_dtype == torch.bfloat16 else 5e-4)  # a bias rounded first: 1.5e-3
+    calls = []
+    monkeypatch.setattr(cpu_native, "_w4_dense", lambda *a: calls.append(a) or torch.zeros(len(a[1]), 208))
+    quant_linear(x[:-1], prepared)  # one row fewer: the block products
+    assert not calls
+    quant_linear(x, prepared)
+    assert len(calls) == 1
+
+
+@needs_native
 def test_act_order_bias_dtypes_and_3d_inputs() -> None:
     qweight, scales, zeros = w4_weight(64, 256, 32)
     perm = torch.randperm(256, generator=torch.Generator().manual_seed(3))
