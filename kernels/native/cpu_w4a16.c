@@ -138,6 +138,69 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t* w, con
 #endif
 }
 
+#if defined(W16_AVX512)
+/* acc[o * W4_TILE + r] = sum_k W[n + o, k] x[r, k] for W4_NOUT output rows (codes K / 2 bytes apart, dv and mv
+ * K / 32 apart) and NR <= 2 input rows at once, as dot_rows computes each: a decode step's shape. Each input
+ * vector and block scale is loaded once for the W4_NOUT rows, and their 2 * W4_NOUT * NR sums are independent
+ * chains of dot products (one row's own two chains waited on the dot product's latency). */
+static inline __attribute__((always_inline)) void dot_outs(const uint8_t* w, const float* dv, const float* mv,
+                                                           int K, const int16_t* xq, const float* dx,
+                                                           const float* sx, const int NR, float* acc) {
+    int nb = K / 32, nsb = nb / 8;
+    const __m512i low = _mm512_set1_epi16(0x0f), pairs = _mm512_loadu_si512(W16_PAIRS);
+    __m512 total[W4_NOUT][2];
+    __m256 offs[W4_NOUT][2];
+    _Pragma("GCC unroll 8") for (int o = 0; o < W4_NOUT; o++)
+        _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) total[o][r] = _mm512_setzero_ps(), offs[o][r] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++) {
+        __m512i s[W4_NOUT][2][2]; /* output row, input row, even / odd u */
+        _Pragma("GCC unroll 8") for (int o = 0; o < W4_NOUT; o++)
+            _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) s[o][r][0] = s[o][r][1] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
+            __m512i xa[2][2];
+            _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) {
+                const int16_t* a = xq + (size_t)r * K + 256 * (size_t)sb + 64 * u;
+                xa[r][0] = _mm512_loadu_si512(a), xa[r][1] = _mm512_loadu_si512(a + 32);
+            }
+            _Pragma("GCC unroll 8") for (int o = 0; o < W4_NOUT; o++) {
+                __m512i v = _mm512_cvtepu8_epi16(
+                    _mm256_loadu_si256((const __m256i*)(w + (size_t)o * (K / 2) + 128 * (size_t)sb + 32 * u)));
+                __m512i q0 = _mm512_and_si512(v, low), q1 = _mm512_srli_epi16(v, 4);
+                _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++)
+                    s[o][r][u & 1] = w4_dot16(w4_dot16(s[o][r][u & 1], q0, xa[r][0]), q1, xa[r][1]);
+            }
+        }
+        __m512 dx16[2];
+        _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++)
+            dx16[r] = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(dx + (size_t)r * nb + 8 * sb)));
+        _Pragma("GCC unroll 8") for (int o = 0; o < W4_NOUT; o++) {
+            const float* dvo = dv + (size_t)o * nb + 8 * sb;
+            __m512 d16 = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(dvo)));
+            __m256 m8 = _mm256_loadu_ps(mv + (size_t)o * nb + 8 * sb);
+            _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) {
+                __m512i sum = _mm512_add_epi32(s[o][r][0], s[o][r][1]);
+                total[o][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d16, dx16[r]), total[o][r]);
+                offs[o][r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(sx + (size_t)r * nb + 8 * sb), offs[o][r]);
+            }
+        }
+    }
+    for (int b = 8 * nsb; b < nb; b++) /* the blocks after the last super-block, in plain order */
+        _Pragma("GCC unroll 8") for (int o = 0; o < W4_NOUT; o++) {
+            __m128i raw = _mm_loadu_si128((const __m128i*)(w + (size_t)o * (K / 2) + 16 * (size_t)b));
+            __m512i q = _mm512_and_si512(_mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw)), low);
+            float d = dv[(size_t)o * nb + b], m = mv[(size_t)o * nb + b];
+            _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) {
+                __m512i sum = w4_dot16(_mm512_setzero_si512(), q, _mm512_loadu_si512(xq + (size_t)r * K + 32 * (size_t)b));
+                total[o][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx[(size_t)r * nb + b]), total[o][r]);
+                offs[o][r] = _mm256_add_ps(offs[o][r], _mm256_setr_ps(m * sx[(size_t)r * nb + b], 0, 0, 0, 0, 0, 0, 0));
+            }
+        }
+    _Pragma("GCC unroll 8") for (int o = 0; o < W4_NOUT; o++)
+        _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++)
+            acc[o * W4_TILE + r] = _mm512_reduce_add_ps(_mm512_add_ps(total[o][r], _mm512_zextps256_ps512(offs[o][r])));
+}
+#endif
+
 /* the w4_tile_fn of this product: in is the struct w4_qinput of the whole input (int16 values) */
 static void dot_tile(const uint8_t* w, const float* dv, const float* mv, int K, const void* in, int r0, int nr,
                      int no, float* acc) {
@@ -145,6 +208,15 @@ static void dot_tile(const uint8_t* w, const float* dv, const float* mv, int K, 
     const int16_t* xq = (const int16_t*)p->xq + (size_t)r0 * K;
     const float* dx = p->dx + (size_t)r0 * (K / 32);
     const float* sx = p->sx + (size_t)r0 * (K / 32);
+#if defined(W16_AVX512)
+    if (no == W4_NOUT && nr <= 2) {
+        if (nr == 1)
+            dot_outs(w, dv, mv, K, xq, dx, sx, 1, acc);
+        else
+            dot_outs(w, dv, mv, K, xq, dx, sx, 2, acc);
+        return;
+    }
+#endif
 #define DOT(NR) dot_rows(w, dv, mv, K, xq, dx, sx, NR, acc)
     for (int o = 0; o < no; o++, w += K / 2, dv += K / 32, mv += K / 32, acc += W4_TILE) W4_BY_ROWS(nr, DOT)
 #undef DOT
