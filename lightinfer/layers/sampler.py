@@ -102,9 +102,12 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generator: 
                  row_generators: dict[int, torch.Generator] | None = None) -> torch.Tensor:
     """One token per row, all rows at once on the logits' device.
 
-    :func:`filter_logits_batch`, then the draw by the exponential race (``argmax(p / E)`` with
+    :func:`filter_logits_batch`, then the draw: on a GPU by the exponential race (``argmax(p / E)`` with
     ``E ~ Exp(1)`` i.i.d.: token ``j`` wins with probability ``p_j``; vLLM samples the same way), which
-    needs no device sync and no per-row work. Greedy rows take the argmax.
+    needs no device sync and no per-row work; on the CPU by inversion (the first token whose cumulative
+    probability exceeds ``U * total``, ``U ~ Uniform[0, 1)``, one per row): the same distribution from one
+    random number per row instead of one per vocabulary entry (torch's CPU ``exponential_`` took ~0.8 ms a
+    row at a 49,152-token vocabulary, a tenth of a small model's decode step). Greedy rows take the argmax.
 
     Args:
         logits: fp32 ``[R, vocab]`` (penalties and banned ids already applied).
@@ -119,13 +122,31 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generator: 
     if all(p.greedy for p in params):
         return argmax
     probs = torch.softmax(filter_logits_batch(logits, params), dim=-1)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    for row, gen in (row_generators or {}).items():
-        if not params[row].greedy:
-            noise[row].exponential_(generator=gen)
-    sampled = (probs / noise.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
+    if probs.device.type == "cpu":
+        sampled = _sample_by_inversion(probs, params, generator, row_generators or {}, argmax)
+    else:
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+        for row, gen in (row_generators or {}).items():
+            if not params[row].greedy:
+                noise[row].exponential_(generator=gen)
+        sampled = (probs / noise.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
     greedy = torch.tensor([p.greedy for p in params], device=logits.device)
     return torch.where(greedy, argmax, sampled)
+
+
+def _sample_by_inversion(probs: torch.Tensor, params: list[SamplingParams], generator: torch.Generator,
+                         row_generators: dict[int, torch.Generator], argmax: torch.Tensor) -> torch.Tensor:
+    """:func:`sample_batch`'s CPU draw: per row ``U`` from its generator (its own where it has one), the first
+    index whose cumulative probability exceeds ``U * total``. A token of probability 0 adds nothing to the sum,
+    so it is never the first to exceed it; only ``U * total`` rounding up to the total itself could pick one,
+    and such a row (about one in 2^24) takes its argmax."""
+    u = torch.rand(len(probs), 1, generator=generator, dtype=probs.dtype)
+    for row, gen in row_generators.items():
+        if not params[row].greedy:
+            u[row] = torch.rand(1, generator=gen, dtype=probs.dtype)
+    cdf = probs.cumsum(dim=-1)
+    sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_max_(probs.shape[1] - 1)
+    return torch.where(probs.gather(1, sampled[:, None]).squeeze(1) > 0, sampled, argmax)
 
 
 class Sampler:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lightinfer.layers.sampler import (
@@ -98,7 +99,7 @@ def test_batched_filter_is_filter_logits_row_by_row() -> None:
 
 
 def test_batched_draws_follow_the_filtered_distribution() -> None:
-    # 40,000 rows of one distribution: the exponential race must give each kept token its probability.
+    # 40,000 rows of one distribution: the draw (by inversion on the CPU) must give each kept token its probability.
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.1, -1.0, 3.0]]).repeat(40_000, 1)
     for p in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, top_p=0.9)):
         want = torch.softmax(filter_logits(logits[0].clone(), p), -1)
@@ -106,6 +107,21 @@ def test_batched_draws_follow_the_filtered_distribution() -> None:
         freq = torch.bincount(drawn, minlength=6).double() / len(drawn)
         assert (freq[want == 0] == 0).all(), (p, freq)
         torch.testing.assert_close(freq, want.double(), atol=0.01, rtol=0)
+
+
+def test_the_cpu_draw_never_picks_a_token_of_probability_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inversion at the edges: U = 0 picks the first token with probability, U just below 1 the last one, and a
+    U * total that rounds up to the total (forced here) falls back to the row's argmax, not to a dropped token."""
+    from lightinfer.layers import sampler as sampler_mod
+
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0, 0.0]])
+    argmax = torch.tensor([3])
+    params = [SamplingParams(temperature=1.0)]
+    for u, want in ((0.0, 1), (1.0 - 2.0**-24, 3), (1.0, 3)):  # 1.0: what a rounded-up U * total amounts to
+        monkeypatch.setattr(sampler_mod.torch, "rand", lambda *a, u=u, **k: torch.full((1, 1), u))
+        assert int(sampler_mod._sample_by_inversion(probs, params, torch.Generator(), {}, argmax)[0]) == want
+    probs = torch.tensor([[0.5, 0.5, 0.0]])  # the fallback: U * total == total would pick index 2
+    assert int(sampler_mod._sample_by_inversion(probs, params, torch.Generator(), {}, torch.tensor([0]))[0]) == 0
 
 
 def test_sampler_mixes_plain_penalised_banned_and_seeded_rows() -> None:
