@@ -195,6 +195,39 @@ static inline void kv_row(const void* cache, int cdt, const uint16_t* scale, con
     }
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+/* sum_i a[i] b[i] over n values: fp32 products and sums (a fused multiply-add where AVX-512 has 16 at a time) */
+static inline float dot_f32(const float* restrict a, const float* restrict b, int n) {
+    int i = 0;
+    float dot = 0.0f;
+#if defined(__AVX512F__)
+    if (n >= 16) {
+        __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b)), s1 = _mm512_setzero_ps();
+        for (i = 16; i + 32 <= n; i += 32) {
+            s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+            s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
+        }
+        for (; i + 16 <= n; i += 16) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+        dot = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+    }
+#endif
+    for (; i < n; i++) dot += a[i] * b[i];
+    return dot;
+}
+
+/* y[i] += p x[i] over n values */
+static inline void axpy_f32(float* restrict y, float p, const float* restrict x, int n) {
+    int i = 0;
+#if defined(__AVX512F__)
+    const __m512 pv = _mm512_set1_ps(p);
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += p * x[i];
+}
+
 #define KV_AHEAD 16 /* tokens the K rows are prefetched ahead of the scores */
 
 /* ask for cache row `at` (row_bytes from byte at * row_bytes) and its INT8 scale and zero */
@@ -203,6 +236,18 @@ static inline void kv_prefetch(const void* cache, const uint16_t* scale, const u
     const char* p = (const char*)cache + at * row_bytes;
     for (size_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off);
     if (scale) __builtin_prefetch(scale + at), __builtin_prefetch(zero + at);
+}
+
+/* a position in a sequence's paged context: its block-table entry and the token within that block */
+struct kv_pos {
+    int block, j;
+};
+
+/* the cache row (slot * Hkv + kvh) of the token at `pos`, and `pos` moved on to the next token */
+static inline size_t kv_next(struct kv_pos* pos, const int32_t* blocks, int block_size, int Hkv, int kvh) {
+    size_t at = ((size_t)blocks[pos->block] * block_size + pos->j) * Hkv + kvh;
+    if (++pos->j == block_size) pos->j = 0, pos->block++;
+    return at;
 }
 
 /* One sequence and KV head: the G = H / Hkv query heads sharing it, over L cached tokens. */
@@ -216,25 +261,16 @@ static void attend_one(const float* q, int G, int D, float scale, const int32_t*
      * of a hot cache at 200 tokens). K rows are asked for KV_AHEAD tokens ahead, V rows as their K row is read,
      * so the second pass finds them in cache. */
     const size_t row_bytes = (size_t)D * (cdt == DT_I8 ? 1 : cdt == DT_BF16 ? 2 : 4);
-    for (int t = 0; t < L && t < KV_AHEAD; t++)
-        kv_prefetch(k_cache, k_scale, k_zero, ((size_t)blocks[t / block_size] * block_size + t % block_size) * Hkv + kvh,
-                    row_bytes);
+    /* token t's cache row is (blocks[t / block_size] * block_size + t % block_size) * Hkv + kvh: stepped
+     * through with counters, not two integer divisions per token */
+    struct kv_pos ahead = {0, 0}, at_k = {0, 0};
+    for (int t = 0; t < L && t < KV_AHEAD; t++) kv_prefetch(k_cache, k_scale, k_zero, kv_next(&ahead, blocks, block_size, Hkv, kvh), row_bytes);
     for (int t = 0; t < L; t++) {
-        size_t at = ((size_t)blocks[t / block_size] * block_size + t % block_size) * Hkv + kvh;
-        if (t + KV_AHEAD < L) {
-            int ahead = t + KV_AHEAD;
-            kv_prefetch(k_cache, k_scale, k_zero,
-                        ((size_t)blocks[ahead / block_size] * block_size + ahead % block_size) * Hkv + kvh, row_bytes);
-        }
+        size_t at = kv_next(&at_k, blocks, block_size, Hkv, kvh);
+        if (t + KV_AHEAD < L) kv_prefetch(k_cache, k_scale, k_zero, kv_next(&ahead, blocks, block_size, Hkv, kvh), row_bytes);
         kv_prefetch(v_cache, v_scale, v_zero, at, row_bytes);
         kv_row(k_cache, cdt, k_scale, k_zero, at, D, row);
-        for (int g = 0; g < G; g++) {
-            const float* qg = q + (size_t)g * D;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int i = 0; i < D; i++) dot += qg[i] * row[i];
-            scores[(size_t)g * L + t] = dot * scale;
-        }
+        for (int g = 0; g < G; g++) scores[(size_t)g * L + t] = dot_f32(q + (size_t)g * D, row, D) * scale;
     }
     for (int g = 0; g < G; g++) {
         float* sg = scores + (size_t)g * L;
@@ -250,14 +286,11 @@ static void attend_one(const float* q, int G, int D, float scale, const int32_t*
         for (int t = 0; t < L; t++) sg[t] *= inv;
         memset(acc + (size_t)g * D, 0, sizeof(float) * D);
     }
+    struct kv_pos at_v = {0, 0};
     for (int t = 0; t < L; t++) {
-        size_t at = ((size_t)blocks[t / block_size] * block_size + t % block_size) * Hkv + kvh;
+        size_t at = kv_next(&at_v, blocks, block_size, Hkv, kvh);
         kv_row(v_cache, cdt, v_scale, v_zero, at, D, row);
-        for (int g = 0; g < G; g++) {
-            float p = scores[(size_t)g * L + t];
-            float* ag = acc + (size_t)g * D;
-            for (int i = 0; i < D; i++) ag[i] += p * row[i];
-        }
+        for (int g = 0; g < G; g++) axpy_f32(acc + (size_t)g * D, scores[(size_t)g * L + t], row, D);
     }
 }
 
