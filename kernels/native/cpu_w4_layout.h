@@ -73,7 +73,12 @@ static inline void w4_block_values(const uint16_t* d, int K, int G, float* dv) {
     if (G == 32)
         for (; b + 8 <= nb; b += 8) _mm256_storeu_ps(dv + b, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d + b))));
 #endif
-    for (; b < nb; b++) dv[b] = w4_half(d[(32 * b) / G]);
+    /* the rest (and G > 32) without an integer division per block: called for every output row of a product,
+     * where a division per block cost more than the row's dot products */
+    for (int per = G / 32, g = b / per, j = b % per; b < nb; b++) {
+        dv[b] = w4_half(d[g]);
+        if (++j == per) j = 0, g++;
+    }
 }
 
 /* One row of x (fp32 or bf16, K values) -> xq (integers of `bytes` bytes, int8 or int16, K of them, in the
