@@ -37,14 +37,23 @@ def _check_calls(calls: list, names: set[str]) -> None:
 
 
 def test_required_and_named_calls_are_valid(llm: LLM) -> None:
-    params = [SamplingParams(temperature=0.8, seed=s, max_tokens=300) for s in range(3)]
-    outs = llm.chat([ASK] * 3, params, tools=[WEATHER, TIME], tool_choice="required",
+    """``required`` lets a model make one call or more: a random one may go on calling until the token limit
+    (then no parsed calls are promised), so of six seeded answers every finished one must hold valid calls and
+    end as ``tool_calls``, and at least one must finish."""
+    params = [SamplingParams(temperature=0.8, seed=s, max_tokens=300) for s in range(6)]
+    outs = llm.chat([ASK] * 6, params, tools=[WEATHER, TIME], tool_choice="required",
                     chat_template_kwargs=NO_THINKING, use_tqdm=False)
+    finished = 0
     for out in outs:
         c = out.outputs[0]
-        assert c.finish_reason == "tool_calls", (c.finish_reason, c.text, c.token_ids)
-        _check_calls(c.tool_calls, {"get_weather", "get_time"})
+        assert c.finish_reason in ("tool_calls", "length"), (c.finish_reason, c.text, c.token_ids)
         assert "<|im_end|>" not in c.text and "<|eot_id|>" not in c.text
+        if c.finish_reason == "tool_calls":
+            finished += 1
+            _check_calls(c.tool_calls, {"get_weather", "get_time"})
+        else:
+            assert len(c.token_ids) == 300
+    assert finished >= 1, [o.outputs[0].text[:80] for o in outs]
     named = llm.chat(ASK, SamplingParams(temperature=0.8, seed=7, max_tokens=300), tools=[WEATHER, TIME],
                      tool_choice={"type": "function", "function": {"name": "get_time"}},
                      chat_template_kwargs=NO_THINKING, use_tqdm=False)[0].outputs[0]
