@@ -82,9 +82,12 @@ def test_stop_from_another_thread_aborts_the_reply_and_keeps_the_partial_text() 
 
 
 # The child makes the pseudo-terminal on its stdin its controlling terminal (it leads a new session), so that
-# Ctrl-C typed there becomes SIGINT, as in a real terminal.
+# Ctrl-C typed there becomes SIGINT, as in a real terminal; and it starts with SIGINT at its default, as a
+# program started from a shell does: a process that inherits it ignored (from a test runner whose SIGINT some
+# library left ignored) never sees Ctrl-C at the prompt.
 CHILD = """
-import fcntl, sys, termios
+import fcntl, signal, sys, termios
+signal.signal(signal.SIGINT, signal.default_int_handler)
 fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 sys.path.insert(0, {root!r})
 from lightinfer.cli.chat import ChatSession
