@@ -10,6 +10,8 @@ from types import ModuleType
 
 import pytest
 
+import lightinfer  # noqa: F401 -- first: it imports the installed `kernels` distribution before bench/ can shadow it
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
