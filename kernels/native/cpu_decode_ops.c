@@ -306,21 +306,25 @@ void li_attend_decode(const void* q, int dt, int B, int H, int Hkv, int D, float
     const size_t per_thread = (size_t)G * max_len + 2 * (size_t)G * D;
     long work = 0;
     for (int b = 0; b < B; b++) work += context_lens[b];
-    int threads = (work * H * D < 200000 || nthreads < 1) ? 1 : nthreads;
+    int threads = (work * H * D < 2 * PARALLEL_MIN || nthreads < 1) ? 1 : nthreads;
+    /* Few (sequence, KV head) pairs for the threads (one sequence of a 3-KV-head model: 3 for 2 threads) are
+     * split by query head, each part reading the shared K and V rows itself (from cache after the first). */
+    const int split = threads > 1 && B * Hkv < 4 * threads ? G : 1, Gi = G / split;
     (void)threads; /* only the OpenMP pragma reads it: unused in a build without OpenMP */
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
-    for (int item = 0; item < B * Hkv; item++) {
-        int b = item / Hkv, kvh = item % Hkv;
+    for (int item = 0; item < B * Hkv * split; item++) {
+        int b = item / (Hkv * split), kvh = item / split % Hkv, part = item % split;
 #ifdef _OPENMP
         float* mine = scratch + per_thread * (size_t)omp_get_thread_num();
 #else
         float* mine = scratch;
 #endif
-        float* qf = mine + (size_t)G * max_len;
-        float* acc = qf + (size_t)G * D;
-        to_f32(q, dt, ((size_t)b * H + kvh * G) * D, G * D, qf);
-        attend_one(qf, G, D, scale, block_tables + (size_t)b * bt_stride, context_lens[b], block_size, Hkv, kvh,
+        float* qf = mine + (size_t)Gi * max_len;
+        float* acc = qf + (size_t)Gi * D;
+        size_t at = ((size_t)b * H + kvh * G + part * Gi) * D;
+        to_f32(q, dt, at, Gi * D, qf);
+        attend_one(qf, Gi, D, scale, block_tables + (size_t)b * bt_stride, context_lens[b], block_size, Hkv, kvh,
                    k_cache, v_cache, cdt, k_scale, k_zero, v_scale, v_zero, mine, acc);
-        from_f32(out, dt, ((size_t)b * H + kvh * G) * D, G * D, acc);
+        from_f32(out, dt, at, Gi * D, acc);
     }
 }
