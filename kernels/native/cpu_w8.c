@@ -82,8 +82,12 @@ static inline __attribute__((always_inline)) void w8_rows(const int8_t* q, int K
             acc[r] += w4_hsum8(_mm256_cvtepi32_ps(_mm256_add_epi32(s[r][0], s[r][1])));
         }
 #endif
-        for (; k < k1; k++) /* what the vectors left (and everything without AVX2) */
-            for (int r = 0; r < NR; r++) acc[r] += (float)((int32_t)q[k] * xq[(size_t)r * K + k]);
+        /* what the vectors left (and everything without AVX2): exact int64 sums, one conversion per span, as the
+         * vector lanes do (a float sum per product drifted by ~K * 2^-24 of the result) */
+        int64_t rest[W4_TILE] = {0};
+        for (; k < k1; k++)
+            for (int r = 0; r < NR; r++) rest[r] += (int32_t)q[k] * xq[(size_t)r * K + k];
+        for (int r = 0; r < NR; r++) acc[r] += (float)rest[r];
     }
 }
 
