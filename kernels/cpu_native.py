@@ -442,19 +442,24 @@ def bf16_gemm_native() -> bool:
     return ("avx512_bf16" in flags or "amx_bf16" in flags) and torch.backends.mkldnn.is_available()
 
 
+def dense_gemm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the dense path's GEMM for an input of ``dtype``: bf16 for a bf16 input where
+    :func:`bf16_gemm_native`, else fp32."""
+    return torch.bfloat16 if dtype == torch.bfloat16 and bf16_gemm_native() else torch.float32
+
+
 def dense_rows(dtype: torch.dtype) -> int:
     """The rows from which :func:`w4_linear` of an input of ``dtype`` takes the dense path."""
-    return W4_DENSE_ROWS_BF16 if dtype == torch.bfloat16 and bf16_gemm_native() else W4_DENSE_ROWS
+    return W4_DENSE_ROWS_BF16 if dense_gemm_dtype(dtype) == torch.bfloat16 else W4_DENSE_ROWS
 
 
 def _w4_dense(lib: NativeOps, x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor, group_size: int,
               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """:func:`w4_linear` for many rows: the weight dequantized by slices, torch's dense GEMM, ``x`` unrounded:
-    bf16 x bf16 (the weight rounded to bf16, fp32 sums) for a bf16 ``x`` where :func:`bf16_gemm_native`,
-    else fp32."""
+    in :func:`dense_gemm_dtype`: bf16 x bf16 (the weight rounded to bf16, fp32 sums) or fp32."""
     k, n = x.shape[1], packed.shape[0]
     rows = max(16, min(n, W4_DENSE_FLOATS // k))  # output rows dequantized at a time: bounded memory
-    gemm = torch.bfloat16 if x.dtype == torch.bfloat16 and bf16_gemm_native() else torch.float32
+    gemm = dense_gemm_dtype(x.dtype)
     buf = getattr(_dense, "buf", None)
     if buf is None or buf.numel() < rows * k or buf.dtype != gemm:
         buf = _dense.buf = torch.empty(rows * k, dtype=gemm)

@@ -29,6 +29,10 @@
 
 #include "cpu_convert.h"
 
+#if defined(W4_AVX2) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define W4_AVX512 1 /* the 512-bit paths of the 4-bit products and of the dense weight's unpacking */
+#endif
+
 #if defined(__AVX512VL__)
 #define W4_TILE 8 /* input rows that share one unpacked super-block (AVX-512's 32 vector registers) */
 #else

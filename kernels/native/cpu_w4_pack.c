@@ -27,7 +27,7 @@ static inline void w4_store(void* out, int odt, size_t at, float v) {
         ((float*)out)[at] = v;
 }
 
-#if defined(W4_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(W4_AVX512)
 /* block i of one super-block (its 16 bytes: lo codes 0..15, hi codes 16..31, one lane of lo / hi as below) */
 static inline void w4_dequant_half(__m128i codes, float d, float m, int odt, void* out, size_t at) {
     __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)), _mm512_set1_ps(d), _mm512_set1_ps(m));
@@ -83,7 +83,7 @@ void li_w4_dequant(const uint8_t* w, const uint16_t* dm, int G, int N, int K, vo
         float dv[nb], mv[nb];
         w4_block_values(dm + (size_t)n * ng * 2, K, G, dv);
         w4_block_values(dm + (size_t)n * ng * 2 + ng, K, G, mv);
-#if defined(W4_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(W4_AVX512)
         for (; b < 8 * nsb; b += 8) w4_dequant_superblock(p + 16 * (size_t)b, dv + b, mv + b, odt, out, row + 32 * (size_t)b);
         for (; b < nb; b++) { /* plain order: code j in the low nibble of byte j, 16 + j in its high nibble */
             __m128i raw = _mm_loadu_si128((const __m128i*)(p + 16 * (size_t)b)), low = _mm_set1_epi8(0x0f);

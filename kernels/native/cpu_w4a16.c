@@ -26,8 +26,7 @@
 
 #include "cpu_w4_layout.h"
 
-#if defined(W4_AVX2) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define W16_AVX512 1
+#if defined(W4_AVX512)
 static const int32_t W16_PAIRS[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
 #endif
 
@@ -39,7 +38,7 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t* w, con
                                                            int K, const int16_t* xq, const float* dx,
                                                            const float* sx, const int NR, float* acc) {
     int nb = K / 32, nsb = nb / 8;
-#if defined(W16_AVX512)
+#if defined(W4_AVX512)
     const int CH = NR <= 2 ? 2 : 1;
     const __m512i low = _mm512_set1_epi16(0x0f), pairs = _mm512_loadu_si512(W16_PAIRS);
     __m512 total[W4_TILE];
@@ -138,7 +137,7 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t* w, con
 #endif
 }
 
-#if defined(W16_AVX512)
+#if defined(W4_AVX512)
 /* acc[o * W4_TILE + r] = sum_k W[n + o, k] x[r, k] for W4_NOUT output rows (codes K / 2 bytes apart, dv and mv
  * K / 32 apart) and NR <= 2 input rows at once, as dot_rows computes each: a decode step's shape. Each input
  * vector and block scale is loaded once for the W4_NOUT rows, and their 2 * W4_NOUT * NR sums are independent
@@ -208,7 +207,7 @@ static void dot_tile(const uint8_t* w, const float* dv, const float* mv, int K, 
     const int16_t* xq = (const int16_t*)p->xq + (size_t)r0 * K;
     const float* dx = p->dx + (size_t)r0 * (K / 32);
     const float* sx = p->sx + (size_t)r0 * (K / 32);
-#if defined(W16_AVX512)
+#if defined(W4_AVX512)
     if (no == W4_NOUT && nr <= 2) {
         if (nr == 1)
             dot_outs(w, dv, mv, K, xq, dx, sx, 1, acc);
