@@ -4,16 +4,18 @@
                                              [--steps 32] [--repeats 3] [--threads N]
 
 Loads the model once (``LLM``, the default CPU path: bf16 activations, 4-/8-bit weights kept low-bit) and
-measures the milliseconds of one decode step at each batch size in three modes, interleaved per repeat so
-that the machine's drift hits all three alike:
+measures the milliseconds of one decode step at each batch size in four modes, interleaved per repeat so
+that the machine's drift hits all of them alike:
 
-* ``full``: the step as it runs;
-* ``no layer GEMMs``: every decoder layer's low-bit product (``cpu_quant_linear``: q/k/v, o, gate/up, down)
-  returns zeros of its shape instead; the LM head still runs;
-* ``no GEMMs``: the LM head's product (``cpu_int8_linear`` / the 8-bit halves) returns zeros too.
+* ``replayed``: the step as it runs, the forward replayed from its recorded C calls (``engine/cpu_graph.py``);
+* ``eager``: the same step with the forward run eagerly, as ``enforce_eager=True`` runs it;
+* ``no layer GEMMs`` (eager): every decoder layer's low-bit product (``cpu_quant_linear``: q/k/v, o,
+  gate/up, down) returns zeros of its shape instead; the LM head still runs;
+* ``no GEMMs`` (eager): the LM head's product (``cpu_int8_linear`` / the 8-bit halves) returns zeros too.
 
-What is left in ``no GEMMs`` is the floor that a faster matrix product cannot touch: norms, RoPE and the KV
-store, attention, casts, the sampler and the Python between them. A step is timed as the difference between
+What is left in ``no GEMMs`` is the floor that a faster matrix product cannot touch in an eager step: norms,
+RoPE and the KV store, attention, casts, the sampler and the Python between them; ``eager - replayed`` is the
+Python and dispatch that the replay removes. A step is timed as the difference between
 ``LLM.generate`` with ``1 + --steps`` and with 1 output token for fresh random prompts of ``--prompt-len``
 tokens (no prefix cache hits), so prefill is not in it. Zeroed products change the values but not the
 shapes or the amount of work elsewhere (greedy decoding with ``ignore_eos``). Writes ``bench/results/cpu_step_floor.json``.
@@ -39,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers.install import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("full", "no layer GEMMs", "no GEMMs")
+MODES = ("replayed", "eager", "no layer GEMMs", "no GEMMs")
 
 
 def _zeros_like_product(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None,
@@ -55,13 +57,27 @@ def patched(mode: str) -> Iterator[None]:
 
     saved = (linear.cpu_quant_linear, w8_linear.cpu_quant_linear, w8_linear.cpu_int8_linear)
     try:
-        if mode != "full":
+        if mode not in ("replayed", "eager"):
             linear.cpu_quant_linear = _zeros_like_product
             if mode == "no GEMMs":
                 w8_linear.cpu_quant_linear = w8_linear.cpu_int8_linear = _zeros_like_product
         yield
     finally:
         linear.cpu_quant_linear, w8_linear.cpu_quant_linear, w8_linear.cpu_int8_linear = saved
+
+
+@contextlib.contextmanager
+def forward_mode(llm: Any, mode: str) -> Iterator[None]:
+    """Decode forwards replayed (``replayed``) or eager (the other modes: their patched products would make
+    the recording refuse the batch size for good) while inside."""
+    runner = llm.llm_engine.model_runner
+    saved = runner.cpu_graph_runner
+    if mode != "replayed":
+        runner.cpu_graph_runner = None
+    try:
+        yield
+    finally:
+        runner.cpu_graph_runner = saved
 
 
 def step_ms(llm: Any, batch: int, steps: int, prompt_len: int, rng: random.Random) -> float:
@@ -96,26 +112,28 @@ def main(argv: list[str] | None = None) -> int:
     options = {} if args.threads is None else {"threads": args.threads}
     llm = LLM(args.model, max_model_len=args.prompt_len + args.steps + 64, **options)
     rng = random.Random(0)
-    step_ms(llm, max(args.batch_sizes), 2, args.prompt_len, rng)  # warm-up: first-call allocations
+    for batch in args.batch_sizes:  # warm-up: first-call allocations, the recorded forwards
+        step_ms(llm, batch, 2, args.prompt_len, rng)
     times: dict[int, dict[str, list[float]]] = {b: {m: [] for m in MODES} for b in args.batch_sizes}
     for _ in range(args.repeats):
         for batch in args.batch_sizes:
             for mode in MODES:
-                with patched(mode):
+                with patched(mode), forward_mode(llm, mode):
                     times[batch][mode].append(step_ms(llm, batch, args.steps, args.prompt_len, rng))
 
     rows = []
     print(f"\nms per decode step, median of {args.repeats} ({cpu_name()}, "
           f"{torch.get_num_threads()} threads)\n")
-    print("| sequences | full | no layer GEMMs | no GEMMs | layer GEMMs' share | LM head's share | the rest |")
-    print("|---|---|---|---|---|---|---|")
+    print("| sequences | replayed | eager | replayed / eager | eager: no layer GEMMs | eager: no GEMMs | "
+          "eager: layer GEMMs' share | LM head's share | the rest |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for batch in args.batch_sizes:
-        full, no_layers, floor = (statistics.median(times[batch][m]) for m in MODES)
-        row = {"sequences": batch, "full_ms": full, "no_layer_gemms_ms": no_layers, "no_gemms_ms": floor,
-               "all_ms": times[batch]}
+        replayed, full, no_layers, floor = (statistics.median(times[batch][m]) for m in MODES)
+        row = {"sequences": batch, "replayed_ms": replayed, "full_ms": full, "no_layer_gemms_ms": no_layers,
+               "no_gemms_ms": floor, "all_ms": times[batch]}
         rows.append(row)
-        print(f"| {batch} | {full:.1f} | {no_layers:.1f} | {floor:.1f} | {(full - no_layers) / full:.2f} | "
-              f"{(no_layers - floor) / full:.2f} | {floor / full:.2f} |")
+        print(f"| {batch} | {replayed:.1f} | {full:.1f} | {replayed / full:.2f} | {no_layers:.1f} | {floor:.1f} | "
+              f"{(full - no_layers) / full:.2f} | {(no_layers - floor) / full:.2f} | {floor / full:.2f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "taken": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": args.model,

@@ -28,6 +28,7 @@ are installed the library also holds a CPython extension module generated from :
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -39,7 +40,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -47,6 +48,7 @@ from typing import Any
 import torch
 
 from . import native_pycall, switches
+from .native_record import Recording
 from .paged_kv import PagedKV
 from .step_memo import step_memo
 
@@ -75,6 +77,7 @@ _SIGNATURES = {
 _lock = threading.Lock()
 _lib: NativeOps | None = None
 _tried = False
+_recording: Recording | None = None  # set while a decode step is recorded (:func:`recording`)
 status = "not loaded"  # what happened at the first use: the library's path, or why the torch ops run
 
 
@@ -163,6 +166,8 @@ def library() -> NativeOps | None:
     global _lib, _tried, status
     if not switches.current().cpu_native:
         return None
+    if _recording is not None and (rec := _active_recording()) is not None:
+        return rec.ops
     if _tried:
         return _lib
     with _lock:
@@ -212,6 +217,43 @@ def _key(parts: list[bytes], pycall: str | None) -> str:
     return hashlib.sha256(b"\0".join([*parts, (pycall or "").encode()])).hexdigest()[:16]
 
 
+def pointer_args(name: str) -> tuple[int, ...]:
+    """The positions of the pointer arguments of the C op ``name`` (a key of :data:`_SIGNATURES`)."""
+    return tuple(i for i, t in enumerate(_SIGNATURES[name]) if t is _P)
+
+
+@contextlib.contextmanager
+def recording(max_context: int) -> Iterator[Recording]:
+    """Record the C ops this thread calls while inside (``engine/cpu_graph.py`` replays them).
+
+    The ops run as usual and each call is appended to ``Recording.calls`` with its arguments. What would
+    make a recorded call wrong to repeat on other inputs is changed for the recording: work buffers are
+    fresh tensors (owned by the capture, not the per-thread scratch that a later call may grow and free),
+    and decode attention sizes its buffer for ``max_context`` tokens, not for the longest context of the
+    step; the range checks the replay skips report their limits in ``Recording.bounds``.
+
+    Raises:
+        RuntimeError: the C ops are unavailable, or another recording is under way.
+    """
+    global _recording
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the C ops are unavailable: {status}")
+    with _lock:
+        if _recording is not None:
+            raise RuntimeError("a decode step is already being recorded")
+        rec = _recording = Recording(lib, max_context)
+    try:
+        yield rec
+    finally:
+        _recording = None
+
+
+def _active_recording() -> Recording | None:
+    rec = _recording
+    return rec if rec is not None and rec.thread == threading.get_ident() else None
+
+
 def _usable(*tensors: torch.Tensor) -> bool:
     for t in tensors:  # a loop, not all(generator): called several times per layer, per step
         if not (t.is_cpu and t.is_contiguous()) or t.requires_grad:
@@ -222,6 +264,10 @@ def _usable(*tensors: torch.Tensor) -> bool:
 def _checked_once(kind: str, keys: tuple[torch.Tensor, ...], extra: tuple, check: Callable[[], Any]) -> Any:
     """``check()`` once per step for these tensors and the sizes in ``extra`` it also depends on (the step
     memo of ``step_memo.py``)."""
+    rec = _active_recording() if _recording is not None else None
+    if rec is not None:
+        with rec.checking():  # its torch ops are not part of the recorded step
+            return step_memo.get(f"native:{kind}", keys, extra, check)
     return step_memo.get(f"native:{kind}", keys, extra, check)
 
 
@@ -283,7 +329,10 @@ _scratch = threading.local()
 
 
 def _scratch_buffer(numel: int) -> torch.Tensor:
-    """A per-thread fp32 work buffer of at least ``numel`` values, kept between calls."""
+    """A per-thread fp32 work buffer of at least ``numel`` values, kept between calls (while recording a
+    fresh one each call: see :func:`recording`)."""
+    if _recording is not None and _active_recording() is not None:
+        return torch.empty(max(numel, 1), dtype=torch.float32)
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < numel:
         buf = _scratch.buf = torch.empty(max(numel, 1 << 16), dtype=torch.float32)
@@ -313,6 +362,9 @@ def rope_store(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_k
             positions.shape == (t,) and slot_mapping.shape == (t,) and int(positions.min()) >= 0 and
             int(positions.max()) < cos_cache.shape[0] and int(slot_mapping.max()) < limit)):
         return None
+    if _recording is not None and (rec := _active_recording()) is not None:
+        rec.bound("positions", cos_cache.shape[0])
+        rec.bound("slots", limit)
     q = torch.empty(t, num_heads, d, dtype=qkv.dtype)
     lib.li_rope_store(qkv.data_ptr(), dt, t, qkv.stride(0), num_heads, num_kv_heads, d, positions.data_ptr(),
                       cos_cache.data_ptr(), sin_cache.data_ptr(), slot_mapping.data_ptr(), ptrs[0], ptrs[1], cdt,
@@ -355,6 +407,11 @@ def attend_decode(q: torch.Tensor, kv: PagedKV, block_tables: torch.Tensor, cont
     longest = _checked_once("attend", (block_tables, context_lens), (b, kv.block_size, kv.num_blocks), check)
     if longest < 0:
         return None
+    if _recording is not None and (rec := _active_recording()) is not None:
+        rec.bound("context", min(block_tables.shape[1] * kv.block_size, rec.max_context))
+        rec.bound("blocks", kv.num_blocks)
+        rec.same("block_size", kv.block_size)
+        longest = max(longest, rec.max_context)  # the scratch holds any context a replay may have
     threads = torch.get_num_threads()
     g = h // hkv
     scratch = _scratch_buffer(threads * (g * longest + 2 * g * d))

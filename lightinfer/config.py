@@ -122,7 +122,8 @@ class EngineConfig:
         gpu_memory_utilization: share of the GPU's memory the engine may use (weights included).
         max_vram: absolute cap on the engine's GPU memory, e.g. "8GiB".
         enable_prefix_caching: reuse full KV blocks of identical prefixes.
-        enforce_eager: no CUDA graphs.
+        enforce_eager: every forward eager: no CUDA graphs on a GPU (``cuda_graph.py``), no replayed decode
+            steps on a CPU (``cpu_graph.py``).
         seed: seed of the shared generator for unseeded requests (and of dummy weights).
         max_waiting: most queued requests before new ones are refused (serving).
         load_format: "auto" (read the weights) or "dummy" (random weights of the config, built

@@ -46,7 +46,8 @@ def add_engine_args(p: argparse.ArgumentParser, kv_cache_dtype: str | None = "au
                    help="KV pool size, e.g. 512MiB (default: automatic; 512MiB on CPU)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse the KV blocks of shared prompt prefixes")
-    p.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run every forward eagerly: no CUDA graphs on a GPU, no replayed decode steps on a CPU")
     p.add_argument("--cpu-experts", type=int, default=0, metavar="N",
                    help="MoE models: keep the experts of the first N MoE layers in host memory and compute them on "
                         "the CPU, so a model larger than the GPU fits (the start-up log says which N a 12 GB card "

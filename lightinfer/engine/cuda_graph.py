@@ -77,6 +77,7 @@ class DecodeGraphRunner:
             rows are gathered on the host into a static ``inputs_embeds`` buffer before each
             replay, and the graph starts after the embedding (a host gather cannot be captured).
         num_kv_groups: KV-cache groups (one slot mapping and block table buffer each).
+        batch_sizes: the sizes a batch is padded to, ascending (default :func:`graph_batch_sizes`).
 
     Static buffers (``max_bs`` = the largest captured size): ``input_ids``, ``positions``,
     ``slot_mapping`` int64 ``[max_bs]``, ``context_lens`` int32 ``[max_bs]``, ``block_tables``
@@ -91,11 +92,12 @@ class DecodeGraphRunner:
         self, model: nn.Module, max_batch_size: int, max_blocks_per_seq: int, hidden_size: int,
         dtype: torch.dtype, device: torch.device, use_cuda_graphs: bool,
         host_embedding: VocabEmbedding | None = None, num_kv_groups: int = 1,
+        batch_sizes: list[int] | None = None,
     ) -> None:
         if use_cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.model = model
-        self.batch_sizes = graph_batch_sizes(max_batch_size)
+        self.batch_sizes = batch_sizes or graph_batch_sizes(max_batch_size)
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
         self.use_cuda_graphs = use_cuda_graphs
@@ -202,6 +204,10 @@ class DecodeGraphRunner:
     def _forward(self, bs: int) -> None:
         """The model on the first ``bs`` static rows, output into ``self.hidden[:bs]`` (the
         body that is captured; also the warm-up, and the whole run of a runner without graphs)."""
+        self.hidden[:bs].copy_(self._model_forward(bs))
+
+    def _model_forward(self, bs: int) -> torch.Tensor:
+        """The model on the first ``bs`` static rows: ``[bs, hidden]``, the model's own output tensor."""
         set_context(AttentionMetadata(
             num_decodes=bs, slot_mapping=self.slot_mapping[:bs], context_lens=self.context_lens[:bs],
             block_tables=self.block_tables[:bs], cu_seqlens_q=None,
@@ -210,10 +216,8 @@ class DecodeGraphRunner:
         ))
         try:
             if self.inputs_embeds is not None:
-                out = self.model(None, self.positions[:bs], self.inputs_embeds[:bs])
-            else:
-                out = self.model(self.input_ids[:bs], self.positions[:bs])
-            self.hidden[:bs].copy_(out)
+                return self.model(None, self.positions[:bs], self.inputs_embeds[:bs])
+            return self.model(self.input_ids[:bs], self.positions[:bs])
         finally:
             set_context(None)
 

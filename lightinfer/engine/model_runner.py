@@ -9,6 +9,7 @@ import torch
 
 from lightinfer.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig, usable_cores
 from lightinfer.dummy_weights import init_dummy_weights
+from lightinfer.engine.cpu_graph import CpuDecodeGraphRunner
 from lightinfer.engine.cpu_malloc import tune_malloc_for_cpu_inference
 from lightinfer.engine.cuda_graph import CudaGraphCaptureError, DecodeGraphRunner, graph_batch_sizes
 from lightinfer.engine.kv_groups import KVGroup, kv_groups_of
@@ -27,7 +28,7 @@ from lightinfer.engine.memory import (
 from lightinfer.engine.moe_placement import host_expert_layers, moe_startup_report, prepare_host_experts
 from lightinfer.engine.scheduler import SchedulerOutput
 from lightinfer.engine.step_inputs import StepInputs, block_table_tensor, build_step_inputs, select_rows
-from lightinfer.kernels import KVCacheSpec
+from lightinfer.kernels import KVCacheSpec, cpu_native
 from lightinfer.layers.attention import Attention, AttentionMetadata, KVGroupTables, set_context
 from lightinfer.layers.embed_head import VocabEmbedding
 from lightinfer.layers.fusion import fuse_model
@@ -47,7 +48,8 @@ class ModelRunner:
         config: engine settings (``max_model_len`` already resolved).
         checkpoint: the opened model source.
 
-    On CUDA without ``enforce_eager``, decode-only steps replay CUDA graphs (``cuda_graph.py``);
+    On CUDA without ``enforce_eager``, decode-only steps replay CUDA graphs (``cuda_graph.py``), on a CPU
+    their recorded C calls (``cpu_graph.py``);
     everything else runs eagerly.
 
     Raises:
@@ -136,6 +138,7 @@ class ModelRunner:
         if self._uses_cuda_graphs():
             with progress.phase("capturing the decode CUDA graphs"):
                 self.graph_runner = self._capture_graphs()
+        self.cpu_graph_runner = self._cpu_graph_runner()
 
     def _cpu_memory_parts(self, model_cls: type, checkpoint: Checkpoint) -> dict[str, int]:
         """Host bytes a CPU engine will hold, by part, by arithmetic on the config (``estimate_weight_bytes``:
@@ -298,6 +301,16 @@ class ModelRunner:
         # Experts computed on the CPU (--cpu-experts) cannot be captured: such engines decode eagerly.
         return self.device.type == "cuda" and not self.config.enforce_eager and not self.host_expert_layers
 
+    def _cpu_graph_runner(self) -> CpuDecodeGraphRunner | None:
+        """The CPU's recorded decode steps (``cpu_graph.py``): on a CPU engine with the C ops, one KV-cache
+        group and without ``enforce_eager``; batches below the 4-bit products' dense path."""
+        if self.device.type != "cpu" or self.config.enforce_eager or len(self.kv_groups) != 1 or \
+                backend_name(torch.empty(0)) != "torch_cpu" or cpu_native.library() is None:
+            return None
+        rows = min(self._max_decode_batch(), cpu_native.dense_rows(self.dtype) - 1)
+        return CpuDecodeGraphRunner(self.model, rows, self.kv_spec.blocks_for(int(self.config.max_model_len)),
+                                    self.kv_spec.block_size, self.model.config.hidden_size, self.dtype)
+
     def _max_decode_batch(self) -> int:
         """Most decodes one step can hold: one token each, so the token budget caps them too."""
         return min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
@@ -383,6 +396,8 @@ class ModelRunner:
         try:
             if self.graph_runner is not None and not all_logits and self.graph_runner.can_run(step):
                 hidden = self.graph_runner.run(step)
+            elif self.cpu_graph_runner is not None and not all_logits and self.cpu_graph_runner.can_run(step):
+                hidden = self.cpu_graph_runner.run(step)
             else:
                 positions = self._upload(step)
                 if self.host_embedding is not None:  # gather on the host from the step's ids

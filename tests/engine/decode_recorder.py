@@ -9,7 +9,7 @@ from lightinfer.engine.scheduler import SchedulerOutput
 
 
 class EagerVsGraph:
-    """Replaces ``model_runner.run``: each step runs eagerly first (graph runner detached), then
+    """Replaces ``model_runner.run``: each step runs eagerly first (graph runners detached), then
     through the normal path (the graph runner where the step qualifies). Both write the step's
     K/V at the same slots and each reads its own, so doing both leaves the state of the second.
     Returns the second's logits and keeps the largest difference and the argmax agreement.
@@ -27,12 +27,12 @@ class EagerVsGraph:
         model_runner.run = self  # type: ignore[method-assign]
 
     def __call__(self, out: SchedulerOutput, all_logits: bool = False) -> torch.Tensor:
-        graph_runner = self.model_runner.graph_runner
-        self.model_runner.graph_runner = None
+        runners = self.model_runner.graph_runner, self.model_runner.cpu_graph_runner
+        self.model_runner.graph_runner = self.model_runner.cpu_graph_runner = None
         try:
             eager = self.inner(out, all_logits)
         finally:
-            self.model_runner.graph_runner = graph_runner
+            self.model_runner.graph_runner, self.model_runner.cpu_graph_runner = runners
         got = self.inner(out, all_logits)
         if eager.numel():
             self.max_diff = max(self.max_diff, (eager - got).abs().max().item())
