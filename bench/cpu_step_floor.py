@@ -80,6 +80,32 @@ def forward_mode(llm: Any, mode: str) -> Iterator[None]:
         runner.cpu_graph_runner = saved
 
 
+def forward_ops_ms(llm: Any, batch: int, repeats: int = 20) -> dict[str, float]:
+    """Milliseconds per replayed forward of ``batch`` sequences, by C op (each call timed alone, medians of
+    ``repeats`` passes; the inputs are the last step's, left in the static buffers), and ``forward``: the
+    replay as one call. Empty when that size has no recorded forward."""
+    runner = llm.llm_engine.model_runner.cpu_graph_runner
+    graph = runner.cpu_graphs.get(batch) if runner is not None else None
+    if graph is None:
+        return {}
+    per_call: list[list[float]] = [[] for _ in graph.calls]
+    whole = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for i, (fn, args) in enumerate(graph._bound):
+                start = time.perf_counter()
+                fn(*args)
+                per_call[i].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            graph.replay()
+            whole.append(time.perf_counter() - start)
+    out: dict[str, float] = {}
+    for (name, _), times in zip(graph.calls, per_call):
+        out[name] = out.get(name, 0.0) + statistics.median(times) * 1e3
+    out["forward"] = statistics.median(whole) * 1e3
+    return out
+
+
 def step_ms(llm: Any, batch: int, steps: int, prompt_len: int, rng: random.Random) -> float:
     """Milliseconds of one decode step of ``batch`` sequences (the generate-with-1-token time subtracted)."""
     from lightinfer import SamplingParams
@@ -134,6 +160,18 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(f"| {batch} | {replayed:.1f} | {full:.1f} | {replayed / full:.2f} | {no_layers:.1f} | {floor:.1f} | "
               f"{(full - no_layers) / full:.2f} | {(no_layers - floor) / full:.2f} | {floor / full:.2f} |")
+    print("\nThe replayed forward by C op (ms per step, each call timed alone; the step's other work is the "
+          "step's replayed time less the forward)\n")
+    ops = {batch: forward_ops_ms(llm, batch) for batch in args.batch_sizes}
+    names = sorted({n for o in ops.values() for n in o if n != "forward"})
+    print("| sequences | " + " | ".join(names) + " | forward (one call) | rest of the step |")
+    print("|---|" + "---|" * (len(names) + 2))
+    for row in rows:
+        o = ops[row["sequences"]]
+        row["forward_ops_ms"] = o
+        if o:
+            print(f"| {row['sequences']} | " + " | ".join(f"{o.get(n, 0.0):.2f}" for n in names) +
+                  f" | {o['forward']:.2f} | {row['replayed_ms'] - o['forward']:.2f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "taken": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": args.model,

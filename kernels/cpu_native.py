@@ -157,7 +157,8 @@ def _build(compiler: str, out: Path, extra_sources: list[str]) -> float:
 class NativeOps(SimpleNamespace):
     """The C ops by name (``li_add_rms_norm``, ...): each the extension module's direct entry point where the
     library has one (``native_pycall.py``), else the ctypes function; the same arguments either way (ints for
-    pointers, None for NULL). ``path``: the library; ``direct``: whether the direct entry points serve."""
+    pointers, None for NULL). ``path``: the library; ``direct``: whether the direct entry points serve;
+    ``replay``: the module's ``li_replay`` for :func:`pack_calls`' buffers (None without the module)."""
 
 
 def library() -> NativeOps | None:
@@ -208,6 +209,7 @@ def _load() -> NativeOps:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
         setattr(ops, name, getattr(module, name) if module is not None else fn)
+    ops.replay = getattr(module, "li_replay", None)  # packed calls (pack_calls), where the module serves
     status = str(path)
     return ops
 
@@ -215,6 +217,12 @@ def _load() -> NativeOps:
 def _key(parts: list[bytes], pycall: str | None) -> str:
     """The build's cache key: the sources, compiler, flags, CPU, torch and (with it) the generated module."""
     return hashlib.sha256(b"\0".join([*parts, (pycall or "").encode()])).hexdigest()[:16]
+
+
+def pack_calls(calls: list[tuple[str, tuple]]) -> torch.Tensor:
+    """``(op name, arguments)`` calls packed for ``library().replay(packed.data_ptr(), len(calls))``, which makes
+    them in order with the GIL released once (``native_pycall.pack_calls``): uint8."""
+    return torch.frombuffer(bytearray(native_pycall.pack_calls(_SIGNATURES, calls)), dtype=torch.uint8)
 
 
 def pointer_args(name: str) -> tuple[int, ...]:

@@ -7,12 +7,17 @@ layer. Where the Python headers are installed, the ops library is built with one
 parse ints, floats and None, release the GIL like ctypes does, and call the C function), about 0.2 µs a call.
 The same shared library then serves both: ctypes loads it, and :func:`load` imports it as a module.
 Without the headers (or if that build fails) the ctypes functions run, with the same results.
+
+The module also has ``li_replay(calls, n)``: ``n`` calls packed by :func:`pack_calls` (an op index and its
+arguments, 8 bytes each), made in order with the GIL released once, for a recorded decode step
+(``engine/cpu_graph.py``): no Python between the calls, and no thread waiting to take the GIL back after each.
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib.machinery
+import struct
 import importlib.util
 import logging
 import sys
@@ -25,6 +30,36 @@ logger = logging.getLogger("lightinfer")
 MODULE = "_lightinfer_native"  # the extension module's name (its PyInit_ symbol)
 _KINDS = {ctypes.c_void_p: ("p", "void*"), ctypes.c_int: ("i", "int"), ctypes.c_long: ("l", "long"),
           ctypes.c_float: ("f", "float")}
+# one packed argument: 8 bytes, a value of its kind at the start (native byte order, as the C union reads it)
+_PACK = {"p": "=Q", "l": "=q", "i": "=i4x", "f": "=f4x"}
+
+
+def max_args(signatures: dict[str, tuple[type, ...]]) -> int:
+    """The most arguments any op of ``signatures`` takes: a packed call's argument slots."""
+    return max((len(a) for a in signatures.values()), default=0)
+
+
+def pack_calls(signatures: dict[str, tuple[type, ...]], calls: list[tuple[str, tuple]]) -> bytes:
+    """``calls`` (op name, arguments as a direct call takes them) as ``li_replay`` reads them: per call an int64
+    op index (its place in ``signatures``), then :func:`max_args` slots of 8 bytes.
+
+    Raises:
+        KeyError: an op not in ``signatures``; ValueError: a wrong argument count; struct.error: a value that
+            does not fit its C type.
+    """
+    index = {name: i for i, name in enumerate(signatures)}
+    width = max_args(signatures)
+    out = bytearray()
+    for name, args in calls:
+        argtypes = signatures[name]
+        if len(args) != len(argtypes):
+            raise ValueError(f"{name} takes {len(argtypes)} arguments, got {len(args)}")
+        out += struct.pack("=q", index[name])
+        for value, t in zip(args, argtypes):
+            kind = _KINDS[t][0]
+            out += struct.pack(_PACK[kind], 0 if value is None else value)
+        out += bytes(8 * (width - len(args)))
+    return bytes(out)
 
 
 def python_include() -> Path | None:
@@ -63,7 +98,8 @@ def source(signatures: dict[str, tuple[type, ...]]) -> str:
              "            if (kinds[k] == 'i') v[k].i = (int)x; else v[k].l = x;", "        }",
              "        if (PyErr_Occurred()) return 0;", "    }", "    return 1;", "}", ""]
     table = []
-    for name, argtypes in signatures.items():
+    cases = []
+    for op, (name, argtypes) in enumerate(signatures.items()):
         try:
             kinds = "".join(_KINDS[t][0] for t in argtypes)
         except KeyError as exc:
@@ -77,6 +113,26 @@ def source(signatures: dict[str, tuple[type, ...]]) -> str:
                   "    Py_BEGIN_ALLOW_THREADS", f"    {name}({call});", "    Py_END_ALLOW_THREADS",
                   "    Py_RETURN_NONE;", "}", ""]
         table.append(f'    {{"{name}", (PyCFunction)(void (*)(void))py_{name}, METH_FASTCALL, NULL}},')
+        cases.append(f"            case {op}: {name}({call.replace('v[', 'c[')}); break;")
+    width = max(max_args(signatures), 1)
+    lines += ["/* li_replay(calls, n): n packed calls (pack_calls: an int64 op index, then the arguments), GIL released",
+              " * once; an unknown op index stops the loop and raises */",
+              '_Static_assert(sizeof(li_arg) == 8, "a packed argument is 8 bytes");',
+              "static PyObject* py_li_replay(PyObject* self, PyObject* const* a, Py_ssize_t n) {",
+              "    li_arg v[2];", "    long long bad_op = 0;", "    int bad = 0;", "    (void)self;",
+              '    if (!li_parse(a, n, "pl", v)) return NULL;',
+              "    const char* at = (const char*)v[0].p;",
+              "    Py_BEGIN_ALLOW_THREADS",
+              "    for (long k = 0; k < v[1].l && !bad; k++) {",
+              "        long long op;",
+              "        memcpy(&op, at, 8);",
+              "        const li_arg* c = (const li_arg*)(at + 8);",
+              f"        at += 8 * (1 + {width});",
+              "        switch (op) {", *cases, "            default: bad = 1; bad_op = op;", "        }", "    }",
+              "    Py_END_ALLOW_THREADS",
+              '    if (bad) return PyErr_Format(PyExc_ValueError, "li_replay: no op %lld", bad_op);',
+              "    Py_RETURN_NONE;", "}", ""]
+    table.append('    {"li_replay", (PyCFunction)(void (*)(void))py_li_replay, METH_FASTCALL, NULL},')
     lines += ["static PyMethodDef li_methods[] = {", *table, "    {NULL, NULL, 0, NULL}};", "",
               f'static struct PyModuleDef li_module = {{PyModuleDef_HEAD_INIT, "{MODULE}", NULL, -1, li_methods}};',
               "", f"PyMODINIT_FUNC PyInit_{MODULE}(void) {{ return PyModule_Create(&li_module); }}", ""]

@@ -32,7 +32,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,23 +67,34 @@ class CpuDecodeGraph:
     """One batch size's recorded forward.
 
     Attributes:
-        calls: ``(C function, arguments)`` in order, pointers rewritten into ``arena``.
+        calls: ``(op name, arguments)`` in order, pointers rewritten into ``arena``.
         output: ``[bs, hidden]``, a view into ``arena``: the hidden states after a :meth:`replay`.
         bounds: the recording's input limits (``native_record.Recording.bounds``) and ``block_size``.
         arena: the bytes of every tensor the forward allocated, laid out by lifetime.
         keep: the model's, cache's and runner's tensors the calls point into (kept alive).
     """
 
-    calls: list[tuple[Callable[..., None], tuple[Any, ...]]]
+    calls: list[tuple[str, tuple[Any, ...]]]
     output: torch.Tensor
     bounds: dict[str, int]
     arena: torch.Tensor
     keep: list[torch.Tensor] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        lib = cpu_native.library()
+        assert lib is not None  # a recording needs the library
+        # one C call for all of them where the ops' extension module has li_replay, else a loop over the ops
+        self._replay = lib.replay
+        self._packed = cpu_native.pack_calls(self.calls) if lib.replay is not None else None
+        self._bound = [(getattr(lib, name), args) for name, args in self.calls]
+
     def replay(self) -> torch.Tensor:
         """Repeat the calls on the static buffers' current contents; returns :attr:`output`."""
-        for fn, args in self.calls:
-            fn(*args)
+        if self._packed is not None:
+            self._replay(self._packed.data_ptr(), len(self.calls))
+        else:
+            for fn, args in self._bound:
+                fn(*args)
         return self.output
 
 
@@ -219,14 +230,12 @@ def plan_graph(rec: Recording, allocations: list[torch.Tensor], output: torch.Te
     offsets, total = _place({r: (local.ends[r] - local.starts[r], first[r], last[r]) for r in first})
     arena = torch.empty(total + ALIGN, dtype=torch.uint8)
     base = -arena.data_ptr() % ALIGN  # bytes into the arena where the aligned layout starts
-    lib = cpu_native.library()
-    assert lib is not None  # a recording needs the library
     calls = []
     for (name, args), mine in zip(rec.calls, rewrites):
         new = list(args)
         for k, r, into in mine:
             new[k] = arena.data_ptr() + base + offsets[r] + into
-        calls.append((getattr(lib, name), tuple(new)))
+        calls.append((name, tuple(new)))
     at = base + offsets[out_range] + output.data_ptr() - local.starts[out_range]
     view = arena[at: at + output.numel() * output.element_size()].view(output.dtype).view(output.shape)
     bounds = {**rec.bounds, "block_size": rec.values["block_size"]}

@@ -137,3 +137,20 @@ def test_no_recorded_attention_is_refused() -> None:
         pass
     with pytest.raises(CaptureRefused, match="decode attention"):
         plan_graph(rec, [], torch.empty(1), _Ranges([]))
+
+
+def test_the_ops_loop_replays_without_li_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built without the extension module (ctypes only), a graph loops over its calls: the same result."""
+    lib = cpu_native.library()
+    x, out = torch.randn(1, 64), torch.empty(1, 32)
+    with cpu_native.recording(64) as rec:
+        rec.calls.append(("li_silu_mul", (x.data_ptr(), out.data_ptr(), 1, 32, 0, 1)))
+        rec.bounds.update(positions=10, slots=10, context=10, blocks=1)
+        rec.same("block_size", 16)
+    graphs = [plan_graph(rec, [out], out, _Ranges([x]))]
+    monkeypatch.setattr(lib, "replay", None)
+    graphs.append(plan_graph(rec, [out], out, _Ranges([x])))
+    assert (graphs[0]._packed is None) == (lib.direct is False) and graphs[1]._packed is None
+    want = torch.nn.functional.silu(x[0, :32]) * x[0, 32:]
+    for graph in graphs:
+        torch.testing.assert_close(graph.replay()[0], want)

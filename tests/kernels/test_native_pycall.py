@@ -85,3 +85,37 @@ def test_without_python_headers_the_ctypes_functions_serve(monkeypatch: pytest.M
     assert native_pycall.load(ops.path) is None  # no module inside
     x = torch.randn(2, 16)
     assert torch.allclose(cpu_native.silu_mul(x), torch.nn.functional.silu(x[:, :8]) * x[:, 8:], atol=1e-6)
+    assert ops.replay is None  # packed calls need the module: the recorded steps loop over the ops instead
+
+
+@needs_native
+@needs_headers
+def test_packed_calls_replay_in_order() -> None:
+    """Two dependent calls (RMSNorm of x, then SiLU·mul of its output) packed and made by one li_replay: the
+    results of the direct calls, floats (eps) and NULL pointers included."""
+    ops = cpu_native.library()
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(3, 64, generator=gen), torch.rand(64, generator=gen) + 0.5
+    outs = [(torch.empty(3, 64), torch.empty(3, 32)) for _ in range(2)]  # (normed, gated): direct, packed
+    calls = [[("li_add_rms_norm", (None, x.data_ptr(), None, w.data_ptr(), 0, normed.data_ptr(), 3, 64, 1e-5, 0, 1)),
+              ("li_silu_mul", (normed.data_ptr(), gated.data_ptr(), 3, 32, 0, 1))] for normed, gated in outs]
+    for name, args in calls[0]:
+        getattr(ops, name)(*args)
+    buf = cpu_native.pack_calls(calls[1])
+    assert buf.numel() == 2 * 8 * (1 + native_pycall.max_args(cpu_native._SIGNATURES))
+    ops.replay(buf.data_ptr(), 2)
+    assert torch.equal(outs[0][1], outs[1][1]) and outs[0][1].abs().sum() > 0
+
+
+@needs_native
+@needs_headers
+def test_bad_packed_calls_are_python_errors() -> None:
+    ops = cpu_native.library()
+    with pytest.raises(ValueError, match="li_silu_mul takes 6 arguments, got 2"):
+        cpu_native.pack_calls([("li_silu_mul", (0, 0))])
+    with pytest.raises(KeyError):
+        cpu_native.pack_calls([("li_nothing", ())])
+    bad = cpu_native.pack_calls([("li_silu_mul", (0, 0, 0, 0, 0, 1))])
+    bad[:8] = torch.tensor([99], dtype=torch.int64).view(torch.uint8)  # no op 99
+    with pytest.raises(ValueError, match="li_replay: no op 99"):
+        ops.replay(bad.data_ptr(), 1)
