@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import ctypes
 import importlib.machinery
-import struct
 import importlib.util
 import logging
+import struct
 import sys
 import sysconfig
 from pathlib import Path
