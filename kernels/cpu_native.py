@@ -12,6 +12,7 @@ results up to fp32 summation order (``tests/kernels/test_cpu_native.py``):
 * :func:`attend_decode`: one query per sequence over its paged context, parallel over sequences and KV heads;
 * :func:`w8_linear` (``native/cpu_w8.c``): an 8-bit weight with one scale per row (the LM head of
   ``cpu_lowbit.int8_linear``) times activations held as int16 per row;
+* :func:`argmax_rows` (``native/cpu_sample.c``): the sampler's greedy pick, a row's first maximal index;
 * :func:`w4_linear` (``native/cpu_w4a16.c``, ``native/cpu_w4a8.c``; the layouts in ``native/cpu_w4_layout.h``,
   written by :func:`w4_pack`): the 4-bit matrix product of ``cpu_lowbit.py``, activations held as int16 per
   block of 32 (the default; within ~1e-5 of the exact product), or, with ``LIGHTINFER_CPU_W4=int8``, quantized
@@ -56,7 +57,7 @@ logger = logging.getLogger("lightinfer")
 
 NATIVE_DIR = Path(__file__).resolve().parent / "native"
 SOURCES = tuple(NATIVE_DIR / name for name in ("cpu_decode_ops.c", "cpu_w4_pack.c", "cpu_w4a16.c", "cpu_w4a8.c",
-                                                "cpu_w8.c"))
+                                                "cpu_w8.c", "cpu_sample.c"))
 HEADERS = (NATIVE_DIR / "cpu_convert.h", NATIVE_DIR / "cpu_w4_layout.h")  # included: part of the build's cache key
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fno-strict-aliasing", "-shared", "-fPIC")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -72,6 +73,7 @@ _SIGNATURES = {
     "li_w4a8_linear": (_P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, _I),
     "li_w4_dequant": (_P, _P, _I, _I, _I, _P, _I, _I),
     "li_w8_linear": (_P, _I, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I),
+    "li_argmax_rows": (_P, _I, ctypes.c_long, _P, _I),
 }
 
 _lock = threading.Lock()
@@ -575,3 +577,15 @@ def w8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias
                      torch.get_num_threads())
     return y
 
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """``x.argmax(dim=-1)`` for fp32 ``x [rows, n]`` (``native/cpu_sample.c``): the first index of each row's
+    maximum, or of its first NaN, as torch's; int64 ``[rows]``. None where it does not apply (not fp32, not 2-D
+    and contiguous, no C library)."""
+    lib = library()
+    if lib is None or x.dtype != torch.float32 or x.dim() != 2 or not _usable(x) or x.shape[1] == 0:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.li_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
