@@ -66,7 +66,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "li_add_rms_norm": (_P, _P, _P, _P, _I, _P, _I, _I, _F, _I, _I),
     "li_silu_mul": (_P, _P, _I, _I, _I, _I),
-    "li_rope_store": (_P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P),
+    "li_rope_store": (_P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _I),
     "li_attend_decode": (_P, _I, _I, _I, _I, _I, _F, _P, _I, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I, _I),
     "li_w4_pack": (_P, _P, ctypes.c_long, _I),
     "li_w4a16_linear": (_P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, _I),
@@ -378,7 +378,7 @@ def rope_store(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_k
     q = torch.empty(t, num_heads, d, dtype=qkv.dtype)
     lib.li_rope_store(qkv.data_ptr(), dt, t, qkv.stride(0), num_heads, num_kv_heads, d, positions.data_ptr(),
                       cos_cache.data_ptr(), sin_cache.data_ptr(), slot_mapping.data_ptr(), ptrs[0], ptrs[1], cdt,
-                      *ptrs[2:], q.data_ptr())
+                      *ptrs[2:], q.data_ptr(), torch.get_num_threads())
     return q
 
 

@@ -143,8 +143,12 @@ static void quantize_row(const float* x, int d, int8_t* q, uint16_t* scale_out, 
 void li_rope_store(const void* qkv, int dt, int T, int row_stride, int H, int Hkv, int D, const int64_t* positions,
                    const float* cos_cache, const float* sin_cache, const int64_t* slots, void* k_cache,
                    void* v_cache, int cdt, uint16_t* k_scale, uint16_t* k_zero, uint16_t* v_scale, uint16_t* v_zero,
-                   void* q_out) {
+                   void* q_out, int nthreads) {
     const int half = D / 2;
+    /* tokens in parallel for a prefill (each writes its own q rows and cache slots); one decode token alone */
+    int threads = (long)T * (H + 2 * Hkv) * D < PARALLEL_MIN || nthreads < 1 ? 1 : nthreads;
+    (void)threads; /* only the OpenMP pragma reads it */
+#pragma omp parallel for num_threads(threads) if (threads > 1)
     for (int t = 0; t < T; t++) {
         const float* c = cos_cache + (size_t)positions[t] * half;
         const float* s = sin_cache + (size_t)positions[t] * half;
