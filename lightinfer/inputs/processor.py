@@ -83,7 +83,7 @@ class InputProcessor:
         per_token = self.max_token_chars
         if per_token is None or num_chars < per_token * self.max_model_len:
             return
-        raise InputError(f"the {param} has {num_chars:,} characters, which is more than {self.max_model_len:,} "
+        raise InputError(f"'{param}' holds {num_chars:,} characters, which is more than {self.max_model_len:,} "
                          f"tokens whatever the tokenization (a token stands for at most {per_token} characters) "
                          f"but this model's maximum context length is {self.max_model_len} tokens; shorten it",
                          param=param, code="context_length_exceeded")

@@ -40,10 +40,10 @@ def test_far_too_long_text_is_refused_before_tokenizing() -> None:
     tok = CountingTokenizer()
     inputs = InputProcessor(tok, 258, MAX_LEN)
     limit = 12 * MAX_LEN  # at least limit / 12 = MAX_LEN tokens: cannot leave room for one more
-    with pytest.raises(InputError, match=f"the prompt has {limit:,} characters") as err:
+    with pytest.raises(InputError, match=f"'prompt' holds {limit:,} characters") as err:
         inputs.tokenize("x" * limit)
     assert err.value.code == "context_length_exceeded" and err.value.param == "prompt"
-    with pytest.raises(InputError, match="the messages has"):
+    with pytest.raises(InputError, match="'messages' holds"):
         inputs.render_chat([{"role": "system", "content": "s" * (limit // 2)},
                             {"role": "user", "content": [{"type": "text", "text": "u" * (limit // 2)}]}])
     assert tok.calls == 0
