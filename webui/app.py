@@ -59,6 +59,21 @@ def check_message(message: Any) -> dict[str, Any]:
     return gr.validate(True, "")
 
 
+UI_SAMPLING = {"temperature": 0.7, "top_p": 0.95, "top_k": 50}  # where the model recommends nothing
+
+
+def initial_sampling(recommended: dict[str, float]) -> dict[str, float]:
+    """The Sampling panel's starting values: the model's recommendation (``model_info()["sampling_defaults"]``)
+    where it gives one within the sliders' ranges, else :data:`UI_SAMPLING`."""
+    ranges = {"temperature": (0.0, 2.0), "top_p": (0.05, 1.0), "top_k": (0, 200)}
+    out = dict(UI_SAMPLING)
+    for key, (lo, hi) in ranges.items():
+        value = recommended.get(key)
+        if isinstance(value, (int, float)) and lo <= value <= hi:
+            out[key] = int(value) if key == "top_k" else float(value)
+    return out
+
+
 def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinfer") -> gr.Blocks:
     """The chat UI bound to ``engine``; mount it with ``gr.mount_gradio_app`` (see ``server.py``).
 
@@ -80,6 +95,7 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
     prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightinfer-ui-inputs")
     info = engine.model_info()
     max_model_len = int(info["max_model_len"])
+    ui_sampling = initial_sampling(info.get("sampling_defaults") or {})
     replies = ReplyTracker()
 
     def prepare(system: str, turns: list[dict[str, str]], max_new_tokens: int,
@@ -144,9 +160,10 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
         with gr.Column(scale=4):
             system = gr.Textbox(label="System prompt", value="You are a helpful assistant.", lines=1)
             sampling = [
-                gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="Temperature (0 = greedy)", render=False),
-                gr.Slider(0.05, 1.0, value=0.95, step=0.05, label="top_p", render=False),
-                gr.Slider(0, 200, value=50, step=1, label="top_k (0 = off)", render=False),
+                gr.Slider(0.0, 2.0, value=ui_sampling["temperature"], step=0.05, label="Temperature (0 = greedy)",
+                          render=False),
+                gr.Slider(0.05, 1.0, value=ui_sampling["top_p"], step=0.05, label="top_p", render=False),
+                gr.Slider(0, 200, value=ui_sampling["top_k"], step=1, label="top_k (0 = off)", render=False),
                 gr.Slider(1, min(4096, max_model_len - 1), value=min(256, max_model_len // 2), step=1,
                           label="Max new tokens", render=False),
                 gr.Number(value=-1, precision=0, label="Seed (-1 = random)", render=False),

@@ -399,6 +399,8 @@ class LLMEngine:
         return {
             "model": self.checkpoint.name,
             "architecture": type(self.model_runner.model).__name__,
+            # what a chat UI starts its sampling from (Checkpoint.sampling_defaults; {} = its own defaults)
+            "sampling_defaults": self.checkpoint.sampling_defaults(),
             "quantization": None if qc is None else {"method": qc.get("quant_method"), "bits": qc.get("bits"),
                                                      "group_size": qc.get("group_size")},
             # per layer kind, how its weights were loaded: "W4 (GGUF Q4_1, g32)", "dense"...

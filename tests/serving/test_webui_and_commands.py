@@ -254,3 +254,26 @@ def test_an_empty_message_is_refused_in_the_box(message: object) -> None:
     result = check_message(message)
     assert result["is_valid"] is False and "empty" in result["message"]
     assert check_message("hello")["is_valid"] is True
+
+
+def test_the_sampling_panel_starts_from_the_models_recommendation() -> None:
+    from lightinfer.webui.app import UI_SAMPLING, initial_sampling
+
+    assert initial_sampling({}) == UI_SAMPLING
+    assert initial_sampling({"temperature": 0.2, "top_p": 0.9}) == {"temperature": 0.2, "top_p": 0.9, "top_k": 50}
+    # outside the sliders' ranges (top_k 0 means off and is kept; 500 is not a slider value): the UI's own
+    assert initial_sampling({"temperature": 5.0, "top_k": 500}) == UI_SAMPLING
+    assert initial_sampling({"top_k": 0})["top_k"] == 0
+
+
+def test_sampling_defaults_come_from_generation_config_or_the_model_card(tmp_path: Path) -> None:
+    from lightinfer.loader import EMBEDDED_SAMPLING, Checkpoint
+    from tests.conftest import write_tiny_checkpoint
+
+    folder = write_tiny_checkpoint(tmp_path / "m", "LlamaForCausalLM")
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": True, "eos_token_id": 2}))
+    assert Checkpoint(str(folder)).sampling_defaults() == {"temperature": 0.6, "top_p": 0.95}  # a bool is no top_k
+    (folder / "generation_config.json").write_text("{not json")
+    assert Checkpoint(str(folder)).sampling_defaults() == {}
+    assert EMBEDDED_SAMPLING["smollm2-135m-instruct"]["temperature"] == 0.2
