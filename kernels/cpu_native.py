@@ -224,7 +224,7 @@ def _key(parts: list[bytes], pycall: str | None) -> str:
 def pack_calls(calls: list[tuple[str, tuple]]) -> torch.Tensor:
     """``(op name, arguments)`` calls packed for ``library().replay(packed.data_ptr(), len(calls))``, which makes
     them in order with the GIL released once (``native_pycall.pack_calls``): uint8."""
-    return torch.frombuffer(bytearray(native_pycall.pack_calls(_SIGNATURES, calls)), dtype=torch.uint8)
+    return torch.frombuffer(native_pycall.pack_calls(_SIGNATURES, calls), dtype=torch.uint8)
 
 
 def pointer_args(name: str) -> tuple[int, ...]:
@@ -420,7 +420,6 @@ def attend_decode(q: torch.Tensor, kv: PagedKV, block_tables: torch.Tensor, cont
     if _recording is not None and (rec := _active_recording()) is not None:
         rec.bound("context", min(block_tables.shape[1] * kv.block_size, rec.max_context))
         rec.bound("blocks", kv.num_blocks)
-        rec.same("block_size", kv.block_size)
         longest = max(longest, rec.max_context)  # the scratch holds any context a replay may have
     threads = torch.get_num_threads()
     g = h // hkv

@@ -39,7 +39,7 @@ def max_args(signatures: dict[str, tuple[type, ...]]) -> int:
     return max((len(a) for a in signatures.values()), default=0)
 
 
-def pack_calls(signatures: dict[str, tuple[type, ...]], calls: list[tuple[str, tuple]]) -> bytes:
+def pack_calls(signatures: dict[str, tuple[type, ...]], calls: list[tuple[str, tuple]]) -> bytearray:
     """``calls`` (op name, arguments as a direct call takes them) as ``li_replay`` reads them: per call an int64
     op index (its place in ``signatures``), then :func:`max_args` slots of 8 bytes.
 
@@ -59,7 +59,7 @@ def pack_calls(signatures: dict[str, tuple[type, ...]], calls: list[tuple[str, t
             kind = _KINDS[t][0]
             out += struct.pack(_PACK[kind], 0 if value is None else value)
         out += bytes(8 * (width - len(args)))
-    return bytes(out)
+    return out
 
 
 def python_include() -> Path | None:

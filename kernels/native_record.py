@@ -20,8 +20,6 @@ class Recording:
         bounds: name -> the smallest limit any recorded op reported (exclusive for ``positions``, ``slots``,
             ``blocks``; inclusive for ``context``): a replayed step's inputs must stay within them, because
             the ops' own range checks ran only while recording.
-        values: name -> a value every recorded op must agree on (``block_size``); ``conflicts`` lists the
-            names where they did not.
         max_context: the longest context a replay may attend to (decode attention's work buffer is sized
             for it).
         thread: the recording thread (other threads call the ops as usual).
@@ -31,8 +29,6 @@ class Recording:
     def __init__(self, lib: SimpleNamespace, max_context: int) -> None:
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
         self.bounds: dict[str, int] = {}
-        self.values: dict[str, int] = {}
-        self.conflicts: list[str] = []
         self.max_context = max_context
         self.thread = threading.get_ident()
         self._checking = 0
@@ -50,11 +46,6 @@ class Recording:
     def bound(self, name: str, limit: int) -> None:
         """Keep the smallest ``limit`` reported for ``name``."""
         self.bounds[name] = min(self.bounds.get(name, limit), limit)
-
-    def same(self, name: str, value: int) -> None:
-        """Record ``value`` for ``name``; a different value than an earlier call's is a conflict."""
-        if self.values.setdefault(name, value) != value and name not in self.conflicts:
-            self.conflicts.append(name)
 
     @contextlib.contextmanager
     def checking(self) -> Iterator[None]:

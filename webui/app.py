@@ -60,14 +60,14 @@ def check_message(message: Any) -> dict[str, Any]:
 
 
 UI_SAMPLING = {"temperature": 0.7, "top_p": 0.95, "top_k": 50}  # where the model recommends nothing
+SAMPLING_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.05, 1.0), "top_k": (0, 200)}  # the sliders' (min, max)
 
 
 def initial_sampling(recommended: dict[str, float]) -> dict[str, float]:
     """The Sampling panel's starting values: the model's recommendation (``model_info()["sampling_defaults"]``)
-    where it gives one within the sliders' ranges, else :data:`UI_SAMPLING`."""
-    ranges = {"temperature": (0.0, 2.0), "top_p": (0.05, 1.0), "top_k": (0, 200)}
+    where it gives one within the sliders' ranges (:data:`SAMPLING_RANGES`), else :data:`UI_SAMPLING`."""
     out = dict(UI_SAMPLING)
-    for key, (lo, hi) in ranges.items():
+    for key, (lo, hi) in SAMPLING_RANGES.items():
         value = recommended.get(key)
         if isinstance(value, (int, float)) and lo <= value <= hi:
             out[key] = int(value) if key == "top_k" else float(value)
@@ -160,10 +160,12 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
         with gr.Column(scale=4):
             system = gr.Textbox(label="System prompt", value="You are a helpful assistant.", lines=1)
             sampling = [
-                gr.Slider(0.0, 2.0, value=ui_sampling["temperature"], step=0.05, label="Temperature (0 = greedy)",
+                gr.Slider(*SAMPLING_RANGES["temperature"], value=ui_sampling["temperature"], step=0.05,
+                          label="Temperature (0 = greedy)", render=False),
+                gr.Slider(*SAMPLING_RANGES["top_p"], value=ui_sampling["top_p"], step=0.05, label="top_p",
                           render=False),
-                gr.Slider(0.05, 1.0, value=ui_sampling["top_p"], step=0.05, label="top_p", render=False),
-                gr.Slider(0, 200, value=ui_sampling["top_k"], step=1, label="top_k (0 = off)", render=False),
+                gr.Slider(*SAMPLING_RANGES["top_k"], value=ui_sampling["top_k"], step=1, label="top_k (0 = off)",
+                          render=False),
                 gr.Slider(1, min(4096, max_model_len - 1), value=min(256, max_model_len // 2), step=1,
                           label="Max new tokens", render=False),
                 gr.Number(value=-1, precision=0, label="Seed (-1 = random)", render=False),

@@ -28,43 +28,36 @@ static inline void w4_store(void* out, int odt, size_t at, float v) {
 }
 
 #if defined(W4_AVX512)
+/* 16 fp32 values rounded to bf16, to nearest even (finite values: a weight is never NaN) */
+static inline __m256i w4_to_bf16(__m512 v) {
+#ifdef __AVX512BF16__
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else /* by integer arithmetic */
+    __m512i u = _mm512_castps_si512(v);
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+#endif
+}
+
 /* block i of one super-block (its 16 bytes: lo codes 0..15, hi codes 16..31, one lane of lo / hi as below) */
 static inline void w4_dequant_half(__m128i codes, float d, float m, int odt, void* out, size_t at) {
     __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)), _mm512_set1_ps(d), _mm512_set1_ps(m));
-    if (odt == DT_BF16) {
-#ifdef __AVX512BF16__
-        _mm256_storeu_si256((__m256i*)((uint16_t*)out + at), (__m256i)_mm512_cvtneps_pbh(v));
-#else /* round to nearest even by integer arithmetic (finite values: a weight is never NaN) */
-        __m512i u = _mm512_castps_si512(v);
-        u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-        _mm256_storeu_si256((__m256i*)((uint16_t*)out + at), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
-#endif
-    } else {
+    if (odt == DT_BF16)
+        _mm256_storeu_si256((__m256i*)((uint16_t*)out + at), w4_to_bf16(v));
+    else
         _mm512_storeu_ps((float*)out + at, v);
-    }
 }
 
-#if defined(__AVX512BW__)
 /* one block's 32 values in bf16 from its codes (c0: codes 0..15, c1: 16..31, a byte each) by table lookup: the 16
  * values d * q + m a block can hold, each computed and rounded as w4_dequant_half does, then one vpermw picks
  * 32 of them (about half the instructions of converting each code) */
 static inline void w4_dequant_block_bf16(__m128i c0, __m128i c1, float d, float m, uint16_t* out) {
     const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512 v = _mm512_fmadd_ps(q, _mm512_set1_ps(d), _mm512_set1_ps(m));
-#ifdef __AVX512BF16__
-    __m256i t = (__m256i)_mm512_cvtneps_pbh(v);
-#else
-    __m512i u = _mm512_castps_si512(v);
-    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-    __m256i t = _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-#endif
-    __m512i table = _mm512_broadcast_i64x4(t);  /* words 0..15: the values for codes 0..15 (and again) */
-    __m512i idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(c1, c0));
+    __m512i table = _mm512_broadcast_i64x4(w4_to_bf16(_mm512_fmadd_ps(q, _mm512_set1_ps(d), _mm512_set1_ps(m))));
+    __m512i idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(c1, c0)); /* words 0..15 of table: codes 0..15 */
     _mm512_storeu_si512(out, _mm512_permutexvar_epi16(idx, table));
 }
-#endif
 
 /* the 256 values of super-block `p` (128 bytes), blocks b0..b0+7, to out + at (row-major, plain order) */
 static inline void w4_dequant_superblock(const uint8_t* p, const float* dv, const float* mv, int odt, void* out,
@@ -84,12 +77,10 @@ static inline void w4_dequant_superblock(const uint8_t* p, const float* dv, cons
                         _mm512_extracti32x4_epi32(second, 2), _mm512_extracti32x4_epi32(second, 3)};
         for (int i = 0; i < 4; i++) {
             int blk = o + i;
-#if defined(__AVX512BW__)
             if (odt == DT_BF16) {
                 w4_dequant_block_bf16(f[i], s[i], dv[blk], mv[blk], (uint16_t*)out + at + 32 * (size_t)blk);
                 continue;
             }
-#endif
             w4_dequant_half(f[i], dv[blk], mv[blk], odt, out, at + 32 * (size_t)blk);
             w4_dequant_half(s[i], dv[blk], mv[blk], odt, out, at + 32 * (size_t)blk + 16);
         }

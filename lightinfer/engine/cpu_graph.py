@@ -69,7 +69,7 @@ class CpuDecodeGraph:
     Attributes:
         calls: ``(op name, arguments)`` in order, pointers rewritten into ``arena``.
         output: ``[bs, hidden]``, a view into ``arena``: the hidden states after a :meth:`replay`.
-        bounds: the recording's input limits (``native_record.Recording.bounds``) and ``block_size``.
+        bounds: the recording's input limits (``native_record.Recording.bounds``) and the cache's ``block_size``.
         arena: the bytes of every tensor the forward allocated, laid out by lifetime.
         keep: the model's, cache's and runner's tensors the calls point into (kept alive).
     """
@@ -181,7 +181,7 @@ def held_tensors(roots: Iterable[Any], depth: int = 4) -> list[torch.Tensor]:
 
 
 def plan_graph(rec: Recording, allocations: list[torch.Tensor], output: torch.Tensor,
-               static: _Ranges) -> CpuDecodeGraph:
+               static: _Ranges, block_size: int) -> CpuDecodeGraph:
     """Lay out the recorded forward's tensors in one arena and rewrite the calls' pointers into it.
 
     Args:
@@ -189,15 +189,13 @@ def plan_graph(rec: Recording, allocations: list[torch.Tensor], output: torch.Te
         allocations: what the forward allocated, each still alive (distinct addresses).
         output: the forward's result, one of ``allocations`` (or a view of one), contiguous.
         static: the tensors outside the forward that a pointer may name (weights, caches, static inputs).
+        block_size: tokens per KV block of the engine's cache (one KV-cache group: every layer's).
     Raises:
-        CaptureRefused: a pointer into neither, a non-contiguous or foreign output, missing input limits, or
-            ops that disagreed on the block size.
+        CaptureRefused: a pointer into neither, a non-contiguous or foreign output, or missing input limits.
     """
     missing = [k for k in BOUND_KEYS if k not in rec.bounds]
-    if missing or "block_size" not in rec.values:
+    if missing:
         raise CaptureRefused(f"no RoPE + KV store or decode attention in C was recorded (no {missing})")
-    if rec.conflicts:
-        raise CaptureRefused(f"the layers' KV caches differ in {rec.conflicts}")
     if not output.is_contiguous():
         raise CaptureRefused("the forward's output is not contiguous")
     local = _Ranges(allocations)
@@ -238,7 +236,7 @@ def plan_graph(rec: Recording, allocations: list[torch.Tensor], output: torch.Te
         calls.append((name, tuple(new)))
     at = base + offsets[out_range] + output.data_ptr() - local.starts[out_range]
     view = arena[at: at + output.numel() * output.element_size()].view(output.dtype).view(output.shape)
-    bounds = {**rec.bounds, "block_size": rec.values["block_size"]}
+    bounds = {**rec.bounds, "block_size": block_size}
     return CpuDecodeGraph(calls, view, bounds, arena, [t for owners in keep.values() for t in owners])
 
 
@@ -291,6 +289,7 @@ class CpuDecodeGraphRunner(DecodeGraphRunner):
                  hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__(model, max_batch_size, max_blocks_per_seq, hidden_size, dtype, torch.device("cpu"), False,
                          host_embedding=model.embed_tokens, batch_sizes=list(range(1, max_batch_size + 1)))
+        self.block_size = block_size
         self.max_context = max_blocks_per_seq * block_size
         self.cpu_graphs: dict[int, CpuDecodeGraph] = {}
         self.refused: dict[int, str] = {}  # batch size -> why it runs eagerly
@@ -336,7 +335,7 @@ class CpuDecodeGraphRunner(DecodeGraphRunner):
         try:
             if watch.refused is not None:
                 raise CaptureRefused(watch.refused)
-            self.cpu_graphs[bs] = plan_graph(rec, watch.allocations, out, self._static)
+            self.cpu_graphs[bs] = plan_graph(rec, watch.allocations, out, self._static, self.block_size)
         except CaptureRefused as err:
             # once per engine at info: every size usually fails for the same reason
             logger.log(logging.DEBUG if self.refused else logging.INFO,

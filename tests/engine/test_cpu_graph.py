@@ -122,10 +122,9 @@ def test_a_pointer_the_graph_cannot_keep_is_refused() -> None:
         rec.calls.append(("li_silu_mul", (x.data_ptr(), out.data_ptr(), 2, 32, 0, 1)))
         rec.calls.append(("li_silu_mul", (stranger.data_ptr(), out.data_ptr(), 1, 32, 0, 1)))
         rec.bounds.update(positions=10, slots=10, context=10, blocks=1)
-        rec.same("block_size", 16)
     with pytest.raises(CaptureRefused, match="li_silu_mul's argument 0 points into memory"):
-        plan_graph(rec, [out], out, _Ranges([x]))
-    graph = plan_graph(rec, [out], out, _Ranges([x, stranger]))  # held: planned, the output in the arena
+        plan_graph(rec, [out], out, _Ranges([x]), 16)
+    graph = plan_graph(rec, [out], out, _Ranges([x, stranger]), 16)  # held: planned, the output in the arena
     assert graph.output.shape == out.shape and graph.keep
     graph.replay()
     want = torch.nn.functional.silu(stranger[:32]) * stranger[32:]
@@ -136,7 +135,7 @@ def test_no_recorded_attention_is_refused() -> None:
     with cpu_native.recording(64) as rec:
         pass
     with pytest.raises(CaptureRefused, match="decode attention"):
-        plan_graph(rec, [], torch.empty(1), _Ranges([]))
+        plan_graph(rec, [], torch.empty(1), _Ranges([]), 16)
 
 
 def test_the_ops_loop_replays_without_li_replay(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -146,10 +145,9 @@ def test_the_ops_loop_replays_without_li_replay(monkeypatch: pytest.MonkeyPatch)
     with cpu_native.recording(64) as rec:
         rec.calls.append(("li_silu_mul", (x.data_ptr(), out.data_ptr(), 1, 32, 0, 1)))
         rec.bounds.update(positions=10, slots=10, context=10, blocks=1)
-        rec.same("block_size", 16)
-    graphs = [plan_graph(rec, [out], out, _Ranges([x]))]
+    graphs = [plan_graph(rec, [out], out, _Ranges([x]), 16)]
     monkeypatch.setattr(lib, "replay", None)
-    graphs.append(plan_graph(rec, [out], out, _Ranges([x])))
+    graphs.append(plan_graph(rec, [out], out, _Ranges([x]), 16))
     assert (graphs[0]._packed is None) == (lib.direct is False) and graphs[1]._packed is None
     want = torch.nn.functional.silu(x[0, :32]) * x[0, 32:]
     for graph in graphs:
