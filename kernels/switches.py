@@ -21,6 +21,9 @@
                                (the same with activations int8 per block of 32) or ``torch``
                                (torch's int4 GEMM, bf16 activations; also torch's int8 GEMM for an
                                8-bit LM head, which the C product takes otherwise)
+``LIGHTINFER_CPU_AMX=0``       on a CPU with AMX, a prefill's 4-bit products dequantize the weight
+                               for torch's bf16 GEMM instead of the C AMX product
+                               (``cpu_native.w4_linear``)
 =============================  ==================================================================
 
 The environment is read at the first :func:`current` call and never again: a launch costs a dict
@@ -45,6 +48,7 @@ W4A16_CONFIGS_ENV = "LIGHTINFER_W4A16_CONFIGS"
 CPU_LOWBIT_ENV = "LIGHTINFER_CPU_LOWBIT"
 CPU_NATIVE_ENV = "LIGHTINFER_CPU_NATIVE"
 CPU_W4_ENV = "LIGHTINFER_CPU_W4"
+CPU_AMX_ENV = "LIGHTINFER_CPU_AMX"
 BACKEND_NAMES = ("triton", "torch_cpu", "reference")
 CPU_W4_NAMES = ("c", "int8", "torch")
 
@@ -65,6 +69,7 @@ class KernelSwitches:
             ``cpu_native``, activations int16 per block of 32), ``"int8"`` (the same, activations int8)
             or ``"torch"`` (torch's int4 GEMM, bf16 activations; also where the C library does not build).
             ``"torch"`` also keeps torch's int8 GEMM for an 8-bit LM head (else ``cpu_native.w8_linear``).
+        cpu_amx: on a CPU with AMX, a 4-bit product of many rows runs on the tiles (``cpu_w4_amx.c``).
     """
 
     backend: str | None = None
@@ -75,6 +80,7 @@ class KernelSwitches:
     cpu_lowbit: bool = True
     cpu_native: bool = True
     cpu_w4: str = "c"
+    cpu_amx: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> KernelSwitches:
@@ -98,7 +104,8 @@ class KernelSwitches:
                    w4a16_configs=environ.get(W4A16_CONFIGS_ENV) or None,
                    cpu_lowbit=environ.get(CPU_LOWBIT_ENV, "1") != "0",
                    cpu_native=environ.get(CPU_NATIVE_ENV, "1") != "0",
-                   cpu_w4=cpu_w4)
+                   cpu_w4=cpu_w4,
+                   cpu_amx=environ.get(CPU_AMX_ENV, "1") != "0")
 
 
 _current: KernelSwitches | None = None

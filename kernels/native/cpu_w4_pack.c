@@ -2,7 +2,7 @@
  * weight for a prefill's product, where torch's fp32 GEMM beats the block dot products). */
 #include <string.h>
 
-#include "cpu_w4_layout.h"
+#include "cpu_w4_dequant.h"
 
 /* codes [N, K] one byte each (0..15) -> the layout, [N, K / 2] bytes */
 void li_w4_pack(const uint8_t* codes, uint8_t* packed, long n_rows, int K) {
@@ -19,100 +19,11 @@ void li_w4_pack(const uint8_t* codes, uint8_t* packed, long n_rows, int K) {
     }
 }
 
-/* one value of the dense weight, d * q + m, stored as fp32 or bf16 */
-static inline void w4_store(void* out, int odt, size_t at, float v) {
-    if (odt == DT_BF16)
-        ((uint16_t*)out)[at] = f32_to_bf16(v);
-    else
-        ((float*)out)[at] = v;
-}
-
-#if defined(W4_AVX512)
-/* 16 fp32 values rounded to bf16, to nearest even (finite values: a weight is never NaN) */
-static inline __m256i w4_to_bf16(__m512 v) {
-#ifdef __AVX512BF16__
-    return (__m256i)_mm512_cvtneps_pbh(v);
-#else /* by integer arithmetic */
-    __m512i u = _mm512_castps_si512(v);
-    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-#endif
-}
-
-/* block i of one super-block (its 16 bytes: lo codes 0..15, hi codes 16..31, one lane of lo / hi as below) */
-static inline void w4_dequant_half(__m128i codes, float d, float m, int odt, void* out, size_t at) {
-    __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)), _mm512_set1_ps(d), _mm512_set1_ps(m));
-    if (odt == DT_BF16)
-        _mm256_storeu_si256((__m256i*)((uint16_t*)out + at), w4_to_bf16(v));
-    else
-        _mm512_storeu_ps((float*)out + at, v);
-}
-
-/* one block's 32 values in bf16 from its codes (c0: codes 0..15, c1: 16..31, a byte each) by table lookup: the 16
- * values d * q + m a block can hold, each computed and rounded as w4_dequant_half does, then one vpermw picks
- * 32 of them (about half the instructions of converting each code) */
-static inline void w4_dequant_block_bf16(__m128i c0, __m128i c1, float d, float m, uint16_t* out) {
-    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512i table = _mm512_broadcast_i64x4(w4_to_bf16(_mm512_fmadd_ps(q, _mm512_set1_ps(d), _mm512_set1_ps(m))));
-    __m512i idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(c1, c0)); /* words 0..15 of table: codes 0..15 */
-    _mm512_storeu_si512(out, _mm512_permutexvar_epi16(idx, table));
-}
-
-/* the 256 values of super-block `p` (128 bytes), blocks b0..b0+7, to out + at (row-major, plain order) */
-static inline void w4_dequant_superblock(const uint8_t* p, const float* dv, const float* mv, int odt, void* out,
-                                         size_t at) {
-    const __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(p + 64), low = _mm512_set1_epi8(0x0f);
-    for (int half = 0; half < 2; half++) { /* blocks 4 half + i, i = 0..3: the dwords i, 8 + i, 16 + i, 24 + i */
-        const int o = 4 * half;
-        const __m512i idx = _mm512_setr_epi32(o, o + 8, o + 16, o + 24, o + 1, o + 9, o + 17, o + 25, o + 2, o + 10,
-                                              o + 18, o + 26, o + 3, o + 11, o + 19, o + 27);
-        __m512i blocks = _mm512_permutex2var_epi32(a, idx, b); /* 128-bit lane i: block 4 half + i, dword u */
-        __m512i lo = _mm512_and_si512(blocks, low), hi = _mm512_and_si512(_mm512_srli_epi16(blocks, 4), low);
-        /* dword u of lo holds codes 8 u .. 8 u + 3, of hi 8 u + 4 .. 8 u + 7: interleaved, codes in order */
-        __m512i first = _mm512_unpacklo_epi32(lo, hi), second = _mm512_unpackhi_epi32(lo, hi);
-        __m128i f[4] = {_mm512_castsi512_si128(first), _mm512_extracti32x4_epi32(first, 1),
-                        _mm512_extracti32x4_epi32(first, 2), _mm512_extracti32x4_epi32(first, 3)};
-        __m128i s[4] = {_mm512_castsi512_si128(second), _mm512_extracti32x4_epi32(second, 1),
-                        _mm512_extracti32x4_epi32(second, 2), _mm512_extracti32x4_epi32(second, 3)};
-        for (int i = 0; i < 4; i++) {
-            int blk = o + i;
-            if (odt == DT_BF16) {
-                w4_dequant_block_bf16(f[i], s[i], dv[blk], mv[blk], (uint16_t*)out + at + 32 * (size_t)blk);
-                continue;
-            }
-            w4_dequant_half(f[i], dv[blk], mv[blk], odt, out, at + 32 * (size_t)blk);
-            w4_dequant_half(s[i], dv[blk], mv[blk], odt, out, at + 32 * (size_t)blk + 16);
-        }
-    }
-}
-#endif
-
 /* W [N, K] = d * q + m, fp32 or bf16 (odt): the dense weight, for products of many rows (a prefill) where a
  * dense GEMM of the torch build beats the block dot products above; written by rows, parallel over them. */
 void li_w4_dequant(const uint8_t* w, const uint16_t* dm, int G, int N, int K, void* out, int odt, int nthreads) {
-    int ng = K / G;
     (void)nthreads;
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && (long)N * K >= 65536)
-    for (int n = 0; n < N; n++) {
-        const uint8_t* p = w + (size_t)n * (K / 2);
-        size_t row = (size_t)n * K;
-        int nb = K / 32, nsb = nb / 8, shift, b = 0;
-        float dv[nb], mv[nb];
-        w4_block_values(dm + (size_t)n * ng * 2, K, G, dv);
-        w4_block_values(dm + (size_t)n * ng * 2 + ng, K, G, mv);
-#if defined(W4_AVX512)
-        for (; b < 8 * nsb; b += 8) w4_dequant_superblock(p + 16 * (size_t)b, dv + b, mv + b, odt, out, row + 32 * (size_t)b);
-        for (; b < nb; b++) { /* plain order: code j in the low nibble of byte j, 16 + j in its high nibble */
-            __m128i raw = _mm_loadu_si128((const __m128i*)(p + 16 * (size_t)b)), low = _mm_set1_epi8(0x0f);
-            w4_dequant_half(_mm_and_si128(raw, low), dv[b], mv[b], odt, out, row + 32 * (size_t)b);
-            w4_dequant_half(_mm_and_si128(_mm_srli_epi16(raw, 4), low), dv[b], mv[b], odt, out, row + 32 * (size_t)b + 16);
-        }
-#endif
-        for (; b < nb; b++)
-            for (int k = 0; k < 32; k++) {
-                size_t at = w4_pos(b, k, nsb, &shift);
-                w4_store(out, odt, row + 32 * (size_t)b + k, dv[b] * (float)((p[at] >> shift) & 15) + mv[b]);
-            }
-    }
+    for (int n = 0; n < N; n++)
+        w4_dequant_row(w + (size_t)n * (K / 2), dm + (size_t)n * (K / G) * 2, K, G, odt, out, (size_t)n * K);
 }

@@ -22,7 +22,8 @@ arena nor in a tensor the model, its KV cache or the runner holds refuses the gr
 those tensors referenced, so their memory cannot be freed under it.
 
 Sizes are captured exactly (no padding: a padded row costs real work on a CPU) and lazily, from 1 to one
-below the rows where a 4-bit product switches to its dense GEMM (``cpu_native.dense_rows``). Replays are
+below the rows where a 4-bit product switches to torch's dense GEMM (``cpu_native.dense_rows``), or to the
+largest decode batch where the dense path is a C op too (AMX: ``cpu_native.dense_path_native``). Replays are
 bit-identical to the eager forward: the same C calls with the same arguments, except that decode attention's
 work buffer is sized for the longest context the step's tables can hold. ``enforce_eager`` turns them off.
 """
@@ -279,7 +280,8 @@ class CpuDecodeGraphRunner(DecodeGraphRunner):
 
     Args:
         model: the causal LM; ``model(None, positions, inputs_embeds)`` must run the C ops.
-        max_batch_size: the largest batch recorded (below ``cpu_native.dense_rows``).
+        max_batch_size: the largest batch recorded (below ``cpu_native.dense_rows`` unless
+            ``cpu_native.dense_path_native``).
         max_blocks_per_seq: block table width, ``ceil(max_model_len / block_size)``.
         block_size: tokens per KV block.
         hidden_size, dtype: the model's output width and activation dtype.

@@ -303,11 +303,14 @@ class ModelRunner:
 
     def _cpu_graph_runner(self) -> CpuDecodeGraphRunner | None:
         """The CPU's recorded decode steps (``cpu_graph.py``): on a CPU engine with the C ops, one KV-cache
-        group and without ``enforce_eager``; batches below the 4-bit products' dense path."""
+        group and without ``enforce_eager``; batches below the 4-bit products' dense path unless that path is a
+        C op too (AMX)."""
         if self.device.type != "cpu" or self.config.enforce_eager or len(self.kv_groups) != 1 or \
                 backend_name(torch.empty(0)) != "torch_cpu" or cpu_native.library() is None:
             return None
-        rows = min(self._max_decode_batch(), cpu_native.dense_rows(self.dtype) - 1)
+        rows = self._max_decode_batch()
+        if not cpu_native.dense_path_native(self.dtype):
+            rows = min(rows, cpu_native.dense_rows(self.dtype) - 1)
         return CpuDecodeGraphRunner(self.model, rows, self.kv_spec.blocks_for(int(self.config.max_model_len)),
                                     self.kv_spec.block_size, self.model.config.hidden_size, self.dtype)
 

@@ -52,6 +52,26 @@ def test_replayed_steps_equal_the_eager_engine(tiny_q4: str, kv: str) -> None:
     assert runner.num_replays - first >= first + 5
 
 
+@pytest.mark.skipif(not cpu_native.amx_available(), reason="no AMX on this CPU: the dense path is torch's GEMM")
+def test_batches_on_the_amx_product_are_replayed(tiny_q4: str) -> None:
+    """With AMX the 4-bit products of 8 or more rows (cpu_native.W4_AMX_ROWS) are a C op too: batches of 12
+    down to 1 are all recorded and replayed, with the eager engine's tokens."""
+    prompts = [list(range(3 + i, 12 + 3 * i)) for i in range(12)]
+    params = [SamplingParams(temperature=0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(12)]
+    opts = {"dtype": "bfloat16", "num_kv_blocks": 96, "max_num_seqs": 12}
+
+    def run(llm: LLM) -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    want = run(LLM(tiny_q4, enforce_eager=True, **opts))
+    graphed = LLM(tiny_q4, **opts)
+    assert run(graphed) == want
+    runner = graphed.llm_engine.model_runner.cpu_graph_runner
+    assert runner is not None and runner.refused == {}
+    assert {12, 8, 1} <= set(runner.cpu_graphs)
+    assert run(graphed) == want
+
+
 def test_a_forward_with_torch_compute_runs_eagerly(tiny_q4: str, caplog: pytest.LogCaptureFixture) -> None:
     """A torch op that computes in the forward (here an extra scaling of the final norm's input) refuses the
     graph for that size: logged, and the steps give the eager engine's tokens."""

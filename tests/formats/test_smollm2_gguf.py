@@ -96,7 +96,7 @@ def test_lowbit_cpu_path_answers_as_the_exact_path(smollm2_lowbit_llm, smollm2_l
 
 def test_lowbit_cpu_path_logits_of_a_short_prompt(smollm2_lowbit_llm, smollm2_llm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A prompt shorter than a prefill's dense path (``cpu_native.dense_rows``, raised here where the CPU's bf16
-    dense path would start below it), so every 4-bit product runs the decode step's kernel: logits within 5% of
+    or AMX dense path would start below it), so every 4-bit product runs the decode step's kernel: logits within 5% of
     the exact path's norm (measured 3.1% with the C product, 3.0% with torch's int4 GEMM, 10% with int8
     activations; 2026-12-06, AVX-512 Xeon), the greedy choice the same at nine positions of ten."""
     from lightinfer.kernels import cpu_native
@@ -105,6 +105,7 @@ def test_lowbit_cpu_path_logits_of_a_short_prompt(smollm2_lowbit_llm, smollm2_ll
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True,
         tokenize=True)["input_ids"]
     monkeypatch.setattr(cpu_native, "W4_DENSE_ROWS_BF16", cpu_native.W4_DENSE_ROWS)
+    monkeypatch.setattr(cpu_native, "W4_AMX_ROWS", cpu_native.W4_DENSE_ROWS)
     assert len(prompt) < cpu_native.dense_rows(torch.bfloat16)
     fast = smollm2_lowbit_llm.llm_engine.prompt_logits(prompt).float()
     exact = smollm2_llm.llm_engine.prompt_logits(prompt).float()

@@ -1,6 +1,7 @@
 """The CPU's default 4-bit product (``cpu_native.w4_linear``, ``native/cpu_w4a16.c``, ``LIGHTINFER_CPU_W4=c``)
 against its reference twin (``reference.w4_dm16_gemm``): every tile shape of the kernel, its dense path for many
-rows, and how ``cpu_lowbit`` picks it."""
+rows (torch's GEMM; the AMX product of a CPU that has it is ``test_cpu_w4_amx.py``'s), and how ``cpu_lowbit``
+picks it."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ needs_native = pytest.mark.skipif(cpu_native.find_compiler() is None, reason="no
 
 @pytest.fixture(autouse=True)
 def _c_product() -> Iterator[None]:
-    """The default, set explicitly: a ``LIGHTINFER_CPU_W4`` in the environment does not change these tests."""
-    with switches.override(cpu_w4="c", cpu_native=True):
+    """The default, set explicitly: a ``LIGHTINFER_CPU_W4`` in the environment does not change these tests; the
+    AMX product off, so that a CPU with AMX tests the block products and torch's dense path too."""
+    with switches.override(cpu_w4="c", cpu_native=True, cpu_amx=False):
         yield
 
 
