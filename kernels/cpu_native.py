@@ -440,11 +440,11 @@ W4_BLOCK = 32  # the activation block of the 4-bit product (int8, one scale per 
 # fp32 GEMM, at 32 rows already 0.6-0.8x the block products' time on an AVX-512 EPYC, 2026-12-06).
 W4_DENSE_ROWS = 64
 W4_DENSE_ROWS_BF16 = 24
-# With AMX (amx_available) a bf16 input takes li_w4_amx_linear from 8 rows: it dequantizes each weight once per
-# call into cache-resident tiles, the same work at 8 rows as at 512, while the block products' work grows with
-# the rows (SmolLM2's layer, 2 threads, Sapphire Rapids Xeon 2026-12-06: 0.90x the block products at 8 rows,
-# 0.51x at 16, 1.34x at 4).
-W4_AMX_ROWS = 8
+# With AMX (amx_available) a bf16 input takes li_w4_amx_linear from 5 rows: it dequantizes each weight once per
+# call into cache-resident tiles, about the same work at 5 rows as at 32, while the block products' work grows
+# with the rows (SmolLM2's 30 layers from memory, 2 threads, Sapphire Rapids Xeon 2026-12-06: 10.4 against 10.6
+# ms at 4 rows, 9.9 against 12.9 at 5, 10.0 against 15.4 at 8).
+W4_AMX_ROWS = 5
 W4_DENSE_FLOATS = 1 << 22  # the buffer's size cap (16 MB): larger layers are dequantized in slices of rows
 _dense = threading.local()
 
@@ -559,7 +559,7 @@ def _w4_dense(lib: NativeOps, x: torch.Tensor, packed: torch.Tensor, dm: torch.T
         m, k = x.shape
         n, threads = packed.shape[0], torch.get_num_threads()
         y = torch.empty(m, n, dtype=out_dtype)
-        work = _scratch_buffer(((m + 31) // 32 * 32 + 32 * threads) * k // 2)  # 16-bit values: x in tiles, W's rows
+        work = _scratch_buffer(((m + 15) // 16 * 16 + 32 * threads) * k // 2)  # 16-bit values: x in tiles, W's rows
         lib.li_w4_amx_linear(x.data_ptr(), m, k, packed.data_ptr(), dm.data_ptr(), group_size, n,
                              None if bias is None else bias.data_ptr(), y.data_ptr(), _DTYPES[out_dtype],
                              work.data_ptr(), threads)

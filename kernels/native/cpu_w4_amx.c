@@ -10,7 +10,7 @@
  *
  * W is the tiles' A operand because a row of W dequantizes to 32 consecutive k, the A tile's row as it is; x,
  * much smaller than W for the shapes of a prefill, is the one rearranged (once per call, into VNNI tiles), and
- * each 16 x 16 C tile is transposed on its way out. x's rows are padded with zeros to a multiple of 32, W's
+ * each 16 x 16 C tile is transposed on its way out. x's rows are padded with zeros to a multiple of 16, W's
  * to a multiple of 32 in the buffer; the padding is computed and not written.
  *
  * The products are bf16 x bf16 with fp32 sums, as torch's bf16 GEMM on the dequantized weight (the weight
@@ -115,11 +115,29 @@ static inline void amx_store(const float* c, int m0, int n0, int M, int N, const
     }
 }
 
-/* the sums of rows n0 .. n0 + 31 of W (dequantized in wb, row stride K) with every row of x */
+/* C tiles 0..3 (W rows n0 + 16 (t / 2) .., x rows 16 (mt + t % 2) ..) stored and written into y; `pairs`: 2
+ * tiles of x rows (tiles 0..3), or 1 (tiles 0 and 2) */
+static inline void amx_flush(float c[4][256], int pairs, int mt, int M, int n0, int N, const float* bias, void* y,
+                             int ydt) {
+    _tile_stored(0, c[0], 64);
+    _tile_stored(2, c[2], 64);
+    if (pairs == 2) {
+        _tile_stored(1, c[1], 64);
+        _tile_stored(3, c[3], 64);
+    }
+    for (int t = 0; t < 4; t++) {
+        int n = n0 + 16 * (t / 2), m = 16 * (mt + t % 2);
+        if ((t % 2 == 0 || pairs == 2) && n < N && m < M) amx_store(c[t], m, n, M, N, bias, y, ydt);
+    }
+}
+
+/* the sums of rows n0 .. n0 + 31 of W (dequantized in wb, row stride K) with every row of x (MT tiles of 16
+ * rows): two tiles of x at a time (2 x 2 sums per step), the last one alone when MT is odd */
 static void amx_block(const uint16_t* wb, const uint16_t* xv, int M, int K, int MT, int n0, int N, const float* bias,
                       void* y, int ydt) {
     float c[4][256];
-    for (int mt = 0; mt < MT; mt += 2) {
+    int mt = 0;
+    for (; mt + 1 < MT; mt += 2) {
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
@@ -135,14 +153,19 @@ static void amx_block(const uint16_t* wb, const uint16_t* xv, int M, int K, int 
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
-        _tile_stored(0, c[0], 64);
-        _tile_stored(1, c[1], 64);
-        _tile_stored(2, c[2], 64);
-        _tile_stored(3, c[3], 64);
-        for (int t = 0; t < 4; t++) {
-            int n = n0 + 16 * (t / 2), m = 16 * (mt + t % 2);
-            if (n < N && m < M) amx_store(c[t], m, n, M, N, bias, y, ydt);
+        amx_flush(c, 2, mt, M, n0, N, bias, y, ydt);
+    }
+    if (mt < MT) { /* a decode batch of up to 16 rows has only this */
+        _tile_zero(0);
+        _tile_zero(2);
+        for (int kc = 0; kc < K / 32; kc++) {
+            _tile_loadd(4, wb + 32 * kc, 2 * K);
+            _tile_loadd(5, wb + 16 * (size_t)K + 32 * kc, 2 * K);
+            _tile_loadd(6, xv + ((size_t)kc * MT + mt) * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(2, 5, 6);
         }
+        amx_flush(c, 1, mt, M, n0, N, bias, y, ydt);
     }
 }
 #endif
@@ -159,13 +182,18 @@ void li_w4_amx_init(int32_t* ok) {
 }
 
 /* y [M, N] (fp32 or bf16, ydt) = x [M, K] (bf16) W^T (+ bias, fp32 [N] or NULL); K a multiple of 32, G of K's
- * blocks (a multiple of 32 dividing K). work: (M rounded up to 32 + 32 nthreads) K values of
- * 16 bits (x in tiles, then 32 rows of W per thread). Only after
- * li_w4_amx_init said yes. */
+ * blocks (a multiple of 32 dividing K). work: (M rounded up to 16 + 32 nthreads) K values of 16 bits (x in
+ * tiles, then 32 rows of W per thread). Only after li_w4_amx_init said yes (called before, it asks itself, and
+ * leaves y as it is where AMX is refused). */
 void li_w4_amx_linear(const uint16_t* x, int M, int K, const uint8_t* w, const uint16_t* dm, int G, int N,
                       const float* bias, void* y, int ydt, uint16_t* work, int nthreads) {
 #if defined(W4_AMX)
-    const int MT = (M + AMX_ROWS - 1) / AMX_ROWS * 2, KC = K / 32, NB = (N + AMX_ROWS - 1) / AMX_ROWS;
+    if (amx_state != 1) { /* a call before li_w4_amx_init (it would fault without the grant): ask now */
+        int32_t ok;
+        li_w4_amx_init(&ok);
+        if (!ok) return;
+    }
+    const int MT = (M + 15) / 16, KC = K / 32, NB = (N + AMX_ROWS - 1) / AMX_ROWS;
     uint16_t* xv = work;
     uint16_t* wbufs = work + (size_t)MT * 16 * K;
     (void)nthreads;
@@ -183,6 +211,11 @@ void li_w4_amx_linear(const uint16_t* x, int M, int K, const uint8_t* w, const u
         for (int nb = 0; nb < NB; nb++) {
             int n0 = nb * AMX_ROWS;
             for (int r = 0; r < AMX_ROWS; r++) {
+                if (n0 + r + AMX_ROWS < N) { /* the next block's row (this thread's, schedule static): from memory */
+                    const char* next = (const char*)(w + (size_t)(n0 + r + AMX_ROWS) * (K / 2));
+                    for (int at = 0; at < K / 2; at += 64) _mm_prefetch(next + at, _MM_HINT_T0);
+                    _mm_prefetch((const char*)(dm + (size_t)(n0 + r + AMX_ROWS) * (K / G) * 2), _MM_HINT_T0);
+                }
                 if (n0 + r < N)
                     w4_dequant_row(w + (size_t)(n0 + r) * (K / 2), dm + (size_t)(n0 + r) * (K / G) * 2, K, G, DT_BF16,
                                    wb, (size_t)r * K);

@@ -46,9 +46,52 @@ static inline void w4_dequant_block_bf16(__m128i c0, __m128i c1, float d, float 
     _mm512_storeu_si512(out, _mm512_permutexvar_epi16(idx, table));
 }
 
+#if defined(__AVX512VBMI__) && defined(__AVX512BF16__)
+#define W4_VBMI 1
+/* byte 2 c of this vector: where code c of the block in 128-bit lane 0 lives in (lo | hi), the codes' low and
+ * high nibbles of a super-block's 4 blocks as w4_dequant_superblock lays them out (dword u of a lane: codes
+ * 8 u .. 8 u + 3 in lo, 8 u + 4 .. 8 u + 7 in hi; hi's bytes numbered from 64); odd bytes unused (zeroed) */
+static const uint8_t w4_code_bytes[64] __attribute__((aligned(64))) = {
+    0, 0, 1, 0, 2, 0, 3, 0, 64, 0, 65, 0, 66, 0, 67, 0, 4, 0, 5, 0, 6, 0, 7, 0, 68, 0, 69, 0, 70, 0, 71, 0,
+    8, 0, 9, 0, 10, 0, 11, 0, 72, 0, 73, 0, 74, 0, 75, 0, 12, 0, 13, 0, 14, 0, 15, 0, 76, 0, 77, 0, 78, 0, 79, 0};
+
+/* the 256 bf16 values of super-block `p` as w4_dequant_superblock writes them (bit for bit), with fewer
+ * shuffles: one vpermt2b per block takes its 32 codes as words straight from the nibbles, and one vcvtne2ps2bf16
+ * makes the lookup tables of two blocks (words 0..15 the first's, 16..31 the second's: its codes + 16) */
+static inline void w4_dequant_superblock_vbmi(const uint8_t* p, const float* dv, const float* mv, uint16_t* out) {
+    const __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(p + 64), low = _mm512_set1_epi8(0x0f);
+    const __m512i base = _mm512_load_si512(w4_code_bytes), second = _mm512_set1_epi16(16);
+    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __mmask64 words = 0x5555555555555555ull;
+    for (int half = 0; half < 2; half++) {
+        const int o = 4 * half;
+        const __m512i idx = _mm512_setr_epi32(o, o + 8, o + 16, o + 24, o + 1, o + 9, o + 17, o + 25, o + 2, o + 10,
+                                              o + 18, o + 26, o + 3, o + 11, o + 19, o + 27);
+        __m512i blocks = _mm512_permutex2var_epi32(a, idx, b); /* 128-bit lane i: block o + i, dword u */
+        __m512i lo = _mm512_and_si512(blocks, low), hi = _mm512_and_si512(_mm512_srli_epi16(blocks, 4), low);
+        for (int i = 0; i < 4; i += 2) {
+            const int blk = o + i;
+            __m512i table = (__m512i)_mm512_cvtne2ps_pbh(
+                _mm512_fmadd_ps(q, _mm512_set1_ps(dv[blk + 1]), _mm512_set1_ps(mv[blk + 1])),
+                _mm512_fmadd_ps(q, _mm512_set1_ps(dv[blk]), _mm512_set1_ps(mv[blk])));
+            __m512i c0 = _mm512_maskz_permutex2var_epi8(words, lo, _mm512_add_epi16(base, _mm512_set1_epi16(16 * i)), hi);
+            __m512i c1 = _mm512_maskz_permutex2var_epi8(words, lo, _mm512_add_epi16(base, _mm512_set1_epi16(16 * i + 16)), hi);
+            _mm512_storeu_si512(out + 32 * (size_t)blk, _mm512_permutexvar_epi16(c0, table));
+            _mm512_storeu_si512(out + 32 * (size_t)(blk + 1), _mm512_permutexvar_epi16(_mm512_or_si512(c1, second), table));
+        }
+    }
+}
+#endif
+
 /* the 256 values of super-block `p` (128 bytes), blocks b0..b0+7, to out + at (row-major, plain order) */
 static inline void w4_dequant_superblock(const uint8_t* p, const float* dv, const float* mv, int odt, void* out,
                                          size_t at) {
+#if defined(W4_VBMI)
+    if (odt == DT_BF16) {
+        w4_dequant_superblock_vbmi(p, dv, mv, (uint16_t*)out + at);
+        return;
+    }
+#endif
     const __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(p + 64), low = _mm512_set1_epi8(0x0f);
     for (int half = 0; half < 2; half++) { /* blocks 4 half + i, i = 0..3: the dwords i, 8 + i, 16 + i, 24 + i */
         const int o = 4 * half;
