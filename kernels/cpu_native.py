@@ -59,7 +59,12 @@ NATIVE_DIR = Path(__file__).resolve().parent / "native"
 SOURCES = tuple(NATIVE_DIR / name for name in ("cpu_decode_ops.c", "cpu_w4_pack.c", "cpu_w4a16.c", "cpu_w4a8.c",
                                                 "cpu_w8.c", "cpu_sample.c", "cpu_w4_amx.c"))
 HEADERS = (NATIVE_DIR / "cpu_convert.h", NATIVE_DIR / "cpu_w4_layout.h", NATIVE_DIR / "cpu_w4_dequant.h")  # included: part of the build's cache key
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fno-strict-aliasing", "-shared", "-fPIC")
+# -mprefer-vector-width=512: gcc's -march=native vectorises loops in 256-bit registers on Intel CPUs with
+# AVX-512; the C ops' plain loops (norms, SiLU, decode attention) in 512-bit ones served 16 sequences ~8% faster
+# (SmolLM2, Sapphire Rapids Xeon, 2 threads, 2026-12-06: 65 tokens each in 2.61 / 2.58 / 2.66 s against
+# 2.89 / 2.84 / 2.81 s, alternating builds). Ignored by CPUs without AVX-512.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fno-strict-aliasing", "-shared", "-fPIC",
+         *(("-mprefer-vector-width=512",) if platform.machine().lower() in ("x86_64", "amd64") else ()))
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _I8 = 2
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
