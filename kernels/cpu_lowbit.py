@@ -12,9 +12,10 @@ measuring the candidates at SmolLM2's shapes (``bench/cpu_gemm.py``, ``bench/cpu
     that library's layout (blocks of 32 interleaved by 8) with fp16 ``(d, m)`` per group (no more bytes than
     torch's layout), for ``cpu_native.w4_linear``: activations held as int16 per block of 32 for integer dot
     products, within ~1e-5 of the exact product (twin ``reference.w4_act_gemm``); from
-    ``cpu_native.dense_rows`` rows (a prefill) the weight is dequantized by slices for torch's dense GEMM:
-    fp32, 0.6-0.7x the time of torch's int4 GEMM at 512 rows, or bf16 where the CPU multiplies bf16 in
-    hardware, ~4x faster again.
+    ``cpu_native.dense_rows`` rows (a prefill, a batched decode step) bf16 inputs run on AMX tiles where the
+    CPU has them (``native/cpu_w4_amx.c``: 32 rows of the weight dequantized to bf16 at a time in cache, fp32
+    sums; from 5 rows), else the weight is dequantized by slices for torch's dense GEMM: fp32, 0.6-0.7x the
+    time of torch's int4 GEMM at 512 rows, or bf16 where the CPU multiplies bf16 in hardware, ~4x faster again.
   - ``int8``: the same weight, activations quantized to int8 per block of 32 (llama.cpp's Q8 activations;
     twin ``reference.w4_act_gemm(..., bits=8)``). Not the default: each layer's output moves by ~1% (10% of
     the logits' norm on SmolLM2, against 3% for the default), and greedy answers of a small model fork more
