@@ -332,16 +332,18 @@ def prepare_w8_per_channel(qweight: torch.Tensor, scales: torch.Tensor, zeros: t
     return CpuInt8Weight(n, k, codes, row_scales, None if input_perm is None else input_perm.to(torch.int64))
 
 
-def int8_linear(x: torch.Tensor, weight: CpuInt8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_linear(x: torch.Tensor, weight: CpuInt8Weight, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``y = x @ W^T (+ bias)`` for a :class:`CpuInt8Weight`: ``x [..., K]`` float -> ``[..., N]`` in
-    ``x.dtype``, fp32 accumulation. The C product of ``cpu_native.w8_linear`` (x held as int16 per row) where
-    the C library builds and ``LIGHTINFER_CPU_W4`` is not ``torch``; else torch's ``_weight_int8pack_mm`` (x cast
-    to bf16)."""
+    ``out_dtype`` (default ``x.dtype``; fp32 for an LM head's logits), fp32 accumulation. The C product of
+    ``cpu_native.w8_linear`` (x held as int16 per row) where the C library builds and ``LIGHTINFER_CPU_W4`` is
+    not ``torch``; else torch's ``_weight_int8pack_mm`` (x cast to bf16, its output bf16)."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if weight.input_perm is not None:
         x2 = x2.index_select(1, weight.input_perm)
-    if switches.current().cpu_w4 != "torch" and x2.dtype in (torch.float32, torch.bfloat16):
-        out_dtype = x.dtype
+    out_dtype = out_dtype or x.dtype
+    if switches.current().cpu_w4 != "torch" and x2.dtype in (torch.float32, torch.bfloat16) and \
+            out_dtype in (torch.float32, torch.bfloat16):
         b = None if bias is None else bias.to(torch.float32)
         y = cpu_native.w8_linear(x2.contiguous(), weight.qweight, weight.scales, b, out_dtype)
         if y is not None:
@@ -353,8 +355,8 @@ def int8_linear(x: torch.Tensor, weight: CpuInt8Weight, bias: torch.Tensor | Non
     y = torch.ops.aten._weight_int8pack_mm(x2, weight.qweight, weight.scales)
     if bias is not None:
         y = y + bias
-    if y.dtype != x.dtype:
-        y = y.to(x.dtype)
+    if y.dtype != out_dtype:
+        y = y.to(out_dtype)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.out_features)
 
 

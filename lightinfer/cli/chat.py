@@ -22,6 +22,7 @@ from lightinfer.cli.common import add_engine_args, add_parser, engine_kwargs
 from lightinfer.sampling_params import SamplingParams
 
 PROMPT = ">>> "
+CHAT_SAMPLING = {"temperature": 0.7, "top_p": 0.95, "top_k": 50}  # where the model recommends nothing
 HELP = ("/reset  forget the conversation\n"
         "/exit   leave (also /bye, /quit, Ctrl-D)\n"
         "/help   this list\n"
@@ -37,9 +38,12 @@ def register(subparsers: Any) -> None:
     add_engine_args(c)
     c.add_argument("--system", default=None, help="system prompt (default: none)")
     c.add_argument("--max-tokens", type=int, default=512, help="most tokens in one reply")
-    c.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
-    c.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass, in (0, 1]")
-    c.add_argument("--top-k", type=int, default=50, help="keep the k most likely tokens; -1 = all")
+    c.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: the model's recommendation, as the chat UI starts from, else 0.7)")
+    c.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling mass, in (0, 1] (default: the model's recommendation, else 0.95)")
+    c.add_argument("--top-k", type=int, default=None,
+                   help="keep the k most likely tokens; -1 = all (default: the model's recommendation, else 50)")
     c.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     c.set_defaults(func=run_chat)
 
@@ -48,18 +52,37 @@ def run_chat(args: argparse.Namespace) -> int:
     """Load the model and chat on stdin/stdout until /exit or end of input; returns the exit code."""
     from lightinfer.llm import LLM
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)  # bad settings fail before the model loads
+    given = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k))
+             if v is not None}
+    SamplingParams(max_tokens=args.max_tokens, seed=args.seed, **given)  # bad settings fail before the model loads
     print(f"lightinfer: loading {args.model} ...", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     llm = LLM(args.model, **engine_kwargs(args))
     engine = llm.llm_engine
+    # the settings not given: the model's recommendation where it has one (SmolLM2's card: 0.2 / 0.9; at
+    # 0.7 it answers simple questions in French nonsense), as the chat UI starts from
+    params = chat_sampling(engine.checkpoint.sampling_defaults(), given, args.max_tokens, args.seed)
     if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
         raise ValueError(f"{args.model} has no tokenizer with a chat template, so it cannot chat; use "
                          f"`lightinfer generate {args.model} --prompt TEXT` for plain completions")
     print(f"lightinfer: ready in {time.monotonic() - t0:.1f} s. Type a message; /help lists the commands.",
           file=sys.stderr, flush=True)
     return ChatSession(engine, params, system=args.system or "").run()
+
+
+def chat_sampling(recommended: dict[str, float], given: dict[str, float], max_tokens: int,
+                  seed: int | None) -> SamplingParams:
+    """A chat's sampling: the settings ``given`` on the command line, the rest from the model's recommendation
+    (``Checkpoint.sampling_defaults``) where it is a valid setting, else :data:`CHAT_SAMPLING`."""
+    sampling = dict(CHAT_SAMPLING)
+    for key, value in recommended.items():
+        if key in sampling:
+            try:  # a generation_config.json's value out of range (or of the wrong type) is not a failed chat
+                SamplingParams(**{key: int(value) if key == "top_k" else float(value)})
+            except (TypeError, ValueError):
+                continue
+            sampling[key] = int(value) if key == "top_k" else float(value)
+    return SamplingParams(max_tokens=max_tokens, seed=seed, **{**sampling, **given})
 
 
 class ChatSession:

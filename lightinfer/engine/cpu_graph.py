@@ -15,7 +15,7 @@ of that size load their inputs into the same static buffers and repeat the calls
 
 Only what the C ops compute can be replayed, so the recording watches every torch op of the forward
 (a ``TorchDispatchMode``): one that computes (a torch fallback of an op, an op with no C twin, a
-prefill-sized GEMM) refuses the graph for that size, which then always runs eagerly (logged once). Tensors
+prefill-sized GEMM) refuses the graph for that size, which then always runs eagerly (the reason logged at debug level and kept in ``refused``). Tensors
 the forward allocates are laid out in one arena per graph, by lifetime (a tensor's bytes are reused once
 its last reader has run), and the recorded pointers rewritten into it; a pointer that is neither in the
 arena nor in a tensor the model, its KV cache or the runner holds refuses the graph too. The graph keeps
@@ -339,8 +339,8 @@ class CpuDecodeGraphRunner(DecodeGraphRunner):
                 raise CaptureRefused(watch.refused)
             self.cpu_graphs[bs] = plan_graph(rec, watch.allocations, out, self._static, self.block_size)
         except CaptureRefused as err:
-            # once per engine at info: every size usually fails for the same reason
-            logger.log(logging.DEBUG if self.refused else logging.INFO,
-                       "lightinfer: CPU decode steps of %d sequences run eagerly, not replayed (%s)", bs, err)
+            # debug, not info: a `lightinfer generate` would print it in the middle of its streamed answer;
+            # runner.refused keeps the reason
+            logger.debug("lightinfer: CPU decode steps of %d sequences run eagerly, not replayed (%s)", bs, err)
             self.refused[bs] = str(err)
         return out

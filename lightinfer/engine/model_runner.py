@@ -302,11 +302,12 @@ class ModelRunner:
         return self.device.type == "cuda" and not self.config.enforce_eager and not self.host_expert_layers
 
     def _cpu_graph_runner(self) -> CpuDecodeGraphRunner | None:
-        """The CPU's recorded decode steps (``cpu_graph.py``): on a CPU engine with the C ops, one KV-cache
+        """The CPU's recorded decode steps (``cpu_graph.py``): on a bf16 CPU engine with the C ops, one KV-cache
         group and without ``enforce_eager``; batches below the 4-bit products' dense path unless that path is a
-        C op too (AMX)."""
+        C op too (AMX). fp32 engines multiply by torch's GEMM (and the C ops take no fp16): nothing to replay."""
         if self.device.type != "cpu" or self.config.enforce_eager or len(self.kv_groups) != 1 or \
-                backend_name(torch.empty(0)) != "torch_cpu" or cpu_native.library() is None:
+                self.dtype != torch.bfloat16 or backend_name(torch.empty(0)) != "torch_cpu" or \
+                cpu_native.library() is None:
             return None
         rows = self._max_decode_batch()
         if not cpu_native.dense_path_native(self.dtype):

@@ -172,10 +172,13 @@ class W8A16Linear(nn.Module):
         """``x [..., in]`` -> ``[..., out]`` (fp32 accumulation): the prepared weight on the ``torch_cpu``
         backend, the op over the int8 run-time tensors on ``triton`` / ``reference`` (as ``W4A16Linear``)."""
         if backend_name(x) == "torch_cpu":
+            # an LM head's logits in fp32: rounded to bf16 (steps of 0.125 at 16-32) near-equal tokens tie,
+            # and the greedy pick falls to the lower id (SmolLM2 answered 'L'Étoile...' to the README's question)
+            out_dtype = torch.float32 if self.lm_head else None
             if self._per_channel is not None:
-                return cpu_int8_linear(x, self._per_channel, self.bias)
+                return cpu_int8_linear(x, self._per_channel, self.bias, out_dtype=out_dtype)
             if self._lowbit is not None:
-                return cpu_quant_linear(x, self._lowbit, self.bias)
+                return cpu_quant_linear(x, self._lowbit, self.bias, out_dtype=out_dtype)
             if self._packed is not None:
                 return self._packed(x, self.bias)
             if self._dense is None:

@@ -63,18 +63,19 @@ def test_batches_on_the_amx_product_are_replayed(tiny_q4: str) -> None:
     def run(llm: LLM) -> list[list[int]]:
         return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    want = run(LLM(tiny_q4, enforce_eager=True, **opts))
+    eager = LLM(tiny_q4, enforce_eager=True, **opts)
+    want, again = run(eager), run(eager)  # the second one reads cached prompt blocks: shorter prefills
     graphed = LLM(tiny_q4, **opts)
     assert run(graphed) == want
     runner = graphed.llm_engine.model_runner.cpu_graph_runner
     assert runner is not None and runner.refused == {}
     assert {12, 8, 1} <= set(runner.cpu_graphs)
-    assert run(graphed) == want
+    assert run(graphed) == again
 
 
-def test_a_forward_with_torch_compute_runs_eagerly(tiny_q4: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_forward_with_torch_compute_runs_eagerly(tiny_q4: str) -> None:
     """A torch op that computes in the forward (here an extra scaling of the final norm's input) refuses the
-    graph for that size: logged, and the steps give the eager engine's tokens."""
+    graph for that size: the reason kept, and the steps give the eager engine's tokens."""
     opts = {"dtype": "bfloat16", "num_kv_blocks": 64, "max_num_seqs": 8}
     results = []
     for enforce_eager in (True, False):
@@ -97,12 +98,11 @@ def _step(positions: list[int], slots: list[int], lens: list[int], tables: list[
 
 
 def test_an_fp32_engine_runs_eagerly(tiny_q4: str) -> None:
-    """fp32 activations multiply dequantized weights with torch's GEMM (exact): nothing to replay."""
+    """fp32 activations multiply dequantized weights with torch's GEMM (exact): nothing to replay, no runner."""
     llm = LLM(tiny_q4, dtype="float32", num_kv_blocks=64, max_num_seqs=8)
     eager = LLM(tiny_q4, dtype="float32", num_kv_blocks=64, max_num_seqs=8, enforce_eager=True)
     assert _generate(llm) == _generate(eager)
-    runner = llm.llm_engine.model_runner.cpu_graph_runner
-    assert runner is not None and runner.cpu_graphs == {} and set(runner.refused) == {1, 2, 3, 4, 5}
+    assert llm.llm_engine.model_runner.cpu_graph_runner is None
 
 
 BOUNDS = {"positions": 100, "slots": 64, "context": 48, "blocks": 4, "block_size": 16}

@@ -113,6 +113,20 @@ def test_lowbit_cpu_path_logits_of_a_short_prompt(smollm2_lowbit_llm, smollm2_ll
     assert float((fast.argmax(-1) == exact.argmax(-1)).float().mean()) >= 0.9
 
 
+def test_lowbit_cpu_path_answers_the_readme_question_with_fp32_logits(smollm2_lowbit_llm) -> None:  # type: ignore[no-untyped-def]
+    """The default CPU path's LM head returns fp32 logits: rounded to bf16 (steps of 0.125 at SmolLM2's logit
+    sizes) 'The' and 'L' tied as the first token of this answer on an AMX CPU and the greedy pick (lowest id)
+    wrote "L'Étoile, la Marseillaise, ..." instead of Paris."""
+    prompt = smollm2_lowbit_llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True,
+        tokenize=True)["input_ids"]
+    logits = smollm2_lowbit_llm.llm_engine.prompt_logits(prompt).float()
+    assert bool((logits != logits.bfloat16().float()).any())
+    out = smollm2_lowbit_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                                  SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+
+
 def test_lowbit_cpu_path_perplexity_is_the_exact_paths(smollm2_lowbit_llm, smollm2_llm) -> None:  # type: ignore[no-untyped-def]
     """Held-out perplexity of the default CPU path (4-/8-bit weights, bf16 activations between layers) against
     the exact fp32 path on the same weights, 2,048 tokens in 1,024-token windows (a prefill: the 4-bit layers take
