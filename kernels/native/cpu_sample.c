@@ -9,6 +9,7 @@
  * first position holding it.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #ifdef _OPENMP
 #include <omp.h>

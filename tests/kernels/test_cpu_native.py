@@ -3,6 +3,8 @@ the reference backend, their fallbacks, and the build."""
 
 from __future__ import annotations
 
+import platform
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -180,3 +182,19 @@ def test_without_a_compiler_the_ops_fall_back(monkeypatch: pytest.MonkeyPatch, t
     assert "no C compiler" in cpu_native.status and "no C compiler" in caplog.text
     x = torch.randn(2, 16)
     assert torch.equal(cpu_fused.silu_and_mul(x), torch.nn.functional.silu(x[:, :8]) * x[:, 8:])
+
+
+@needs_native
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 targets")
+@pytest.mark.parametrize("march", ["x86-64", "haswell", "icelake-server", "sapphirerapids"])
+def test_the_c_ops_compile_for_every_x86_generation(march: str, tmp_path: Path) -> None:
+    """The library is built with -march=native on the user's CPU, so each source must compile for CPUs other
+    than the one running the tests: without AVX at all, AVX2 only (a cpu_sample.c that took size_t from
+    immintrin.h failed there, and every op fell back to torch), AVX-512 with VBMI, and AVX-512 with AMX."""
+    flags = [f for f in cpu_native.FLAGS if f not in ("-march=native", "-shared", "-fPIC")]
+    for src in cpu_native.SOURCES:
+        done = subprocess.run([cpu_native.find_compiler(), *flags, f"-march={march}", "-fopenmp-simd", "-S",
+                               "-o", str(tmp_path / "out.s"), str(src)], capture_output=True, text=True, check=False)
+        if "march" in done.stderr and "bad value" in done.stderr:
+            pytest.skip(f"this compiler does not know -march={march}")
+        assert done.returncode == 0, f"{src.name} for -march={march}:\n{done.stderr}"
