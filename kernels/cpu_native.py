@@ -528,7 +528,7 @@ def dense_gemm_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def dense_rows(dtype: torch.dtype) -> int:
     """The rows from which :func:`w4_linear` of an input of ``dtype`` takes the dense path."""
-    if dtype == torch.bfloat16 and amx_available():
+    if dense_path_native(dtype):
         return W4_AMX_ROWS
     return W4_DENSE_ROWS_BF16 if dense_gemm_dtype(dtype) == torch.bfloat16 else W4_DENSE_ROWS
 
@@ -560,7 +560,7 @@ def _w4_dense(lib: NativeOps, x: torch.Tensor, packed: torch.Tensor, dm: torch.T
     """:func:`w4_linear` for many rows: bf16 x bf16 products with fp32 sums (the weight rounded to bf16) on AMX
     tiles where :func:`amx_available`; else the weight dequantized by slices for torch's dense GEMM, ``x``
     unrounded, in :func:`dense_gemm_dtype`: bf16 x bf16 (the weight rounded to bf16, fp32 sums) or fp32."""
-    if x.dtype == torch.bfloat16 and amx_available():
+    if dense_path_native(x.dtype):
         m, k = x.shape
         n, threads = packed.shape[0], torch.get_num_threads()
         y = torch.empty(m, n, dtype=out_dtype)

@@ -21,9 +21,10 @@
                                (the same with activations int8 per block of 32) or ``torch``
                                (torch's int4 GEMM, bf16 activations; also torch's int8 GEMM for an
                                8-bit LM head, which the C product takes otherwise)
-``LIGHTINFER_CPU_AMX=0``       on a CPU with AMX, a prefill's 4-bit products dequantize the weight
-                               for torch's bf16 GEMM instead of the C AMX product
-                               (``cpu_native.w4_linear``)
+``LIGHTINFER_CPU_AMX=0``       on a CPU with AMX, 4-bit products of 5 rows or more (prefills, decode
+                               batches) run as without AMX instead of on its tiles: the block
+                               products below 24 rows, the weight dequantized for torch's bf16 GEMM
+                               from 24 (``cpu_native.w4_linear``)
 =============================  ==================================================================
 
 The environment is read at the first :func:`current` call and never again: a launch costs a dict

@@ -9,6 +9,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lightinfer.structured.spec import StructuredOutputs
 
+# A chat's sampling where the model recommends none (``Checkpoint.sampling_defaults``): the chat UI's starting
+# values and ``lightinfer chat``'s defaults. API requests keep OpenAI's defaults instead.
+CHAT_SAMPLING: dict[str, float] = {"temperature": 0.7, "top_p": 0.95, "top_k": 50}
+
 
 @dataclass
 class SamplingParams:

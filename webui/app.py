@@ -26,7 +26,7 @@ from lightinfer.engine.async_engine import (
 )
 from lightinfer.inputs import EngineRequest, fit_context
 from lightinfer.inputs.text import check_text
-from lightinfer.sampling_params import SamplingParams
+from lightinfer.sampling_params import CHAT_SAMPLING, SamplingParams
 from lightinfer.webui.panels import engine_panel, model_panel
 from lightinfer.webui.replies import (
     ReplyTracker,
@@ -59,14 +59,13 @@ def check_message(message: Any) -> dict[str, Any]:
     return gr.validate(True, "")
 
 
-UI_SAMPLING = {"temperature": 0.7, "top_p": 0.95, "top_k": 50}  # where the model recommends nothing
 SAMPLING_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.05, 1.0), "top_k": (0, 200)}  # the sliders' (min, max)
 
 
 def initial_sampling(recommended: dict[str, float]) -> dict[str, float]:
     """The Sampling panel's starting values: the model's recommendation (``model_info()["sampling_defaults"]``)
-    where it gives one within the sliders' ranges (:data:`SAMPLING_RANGES`), else :data:`UI_SAMPLING`."""
-    out = dict(UI_SAMPLING)
+    where it gives one within the sliders' ranges (:data:`SAMPLING_RANGES`), else ``sampling_params.CHAT_SAMPLING``."""
+    out = dict(CHAT_SAMPLING)
     for key, (lo, hi) in SAMPLING_RANGES.items():
         value = recommended.get(key)
         if isinstance(value, (int, float)) and lo <= value <= hi:

@@ -19,10 +19,9 @@ from dataclasses import replace
 from typing import Any, TextIO
 
 from lightinfer.cli.common import add_engine_args, add_parser, engine_kwargs
-from lightinfer.sampling_params import SamplingParams
+from lightinfer.sampling_params import CHAT_SAMPLING, SamplingParams
 
 PROMPT = ">>> "
-CHAT_SAMPLING = {"temperature": 0.7, "top_p": 0.95, "top_k": 50}  # where the model recommends nothing
 HELP = ("/reset  forget the conversation\n"
         "/exit   leave (also /bye, /quit, Ctrl-D)\n"
         "/help   this list\n"
@@ -78,10 +77,11 @@ def chat_sampling(recommended: dict[str, float], given: dict[str, float], max_to
     for key, value in recommended.items():
         if key in sampling:
             try:  # a generation_config.json's value out of range (or of the wrong type) is not a failed chat
-                SamplingParams(**{key: int(value) if key == "top_k" else float(value)})
+                value = int(value) if key == "top_k" else float(value)
+                SamplingParams(**{key: value})
             except (TypeError, ValueError):
                 continue
-            sampling[key] = int(value) if key == "top_k" else float(value)
+            sampling[key] = value
     return SamplingParams(max_tokens=max_tokens, seed=seed, **{**sampling, **given})
 
 

@@ -257,12 +257,13 @@ def test_an_empty_message_is_refused_in_the_box(message: object) -> None:
 
 
 def test_the_sampling_panel_starts_from_the_models_recommendation() -> None:
-    from lightinfer.webui.app import UI_SAMPLING, initial_sampling
+    from lightinfer.sampling_params import CHAT_SAMPLING
+    from lightinfer.webui.app import initial_sampling
 
-    assert initial_sampling({}) == UI_SAMPLING
+    assert initial_sampling({}) == CHAT_SAMPLING
     assert initial_sampling({"temperature": 0.2, "top_p": 0.9}) == {"temperature": 0.2, "top_p": 0.9, "top_k": 50}
     # outside the sliders' ranges (top_k 0 means off and is kept; 500 is not a slider value): the UI's own
-    assert initial_sampling({"temperature": 5.0, "top_k": 500}) == UI_SAMPLING
+    assert initial_sampling({"temperature": 5.0, "top_k": 500}) == CHAT_SAMPLING
     assert initial_sampling({"top_k": 0})["top_k"] == 0
 
 
