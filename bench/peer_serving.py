@@ -28,6 +28,7 @@ Linux only (reads /proc).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -76,6 +77,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--idle-seconds", type=float, default=10.0, help="how long to measure an idle server's CPU")
     ap.add_argument("--wait-idle", type=float, default=60.0,
                     help="seconds to wait for other processes to go quiet before each measurement")
+    ap.add_argument("--isa", choices=install.ISAS, default="native",
+                    help="avx2: llama.cpp and lightinfer built for AVX2 + FMA only and torch kept to AVX2 "
+                         "(ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA), as on an AVX2-only CPU; vLLM's own kernels "
+                         "cannot be limited so, leave it out (--servers llama.cpp,lightinfer). --setup --isa avx2 "
+                         "builds that llama-server")
     ap.add_argument("--peers-dir", type=Path, default=ROOT / ".peers")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--name", default="peers_cpu", help="output file stem (default peers_cpu)")
@@ -175,9 +181,9 @@ def specs(args: argparse.Namespace) -> list[tuple[servers.ServerSpec, int]]:
     slots = max(load.concurrency for load in args.loads)
     context = args.input_len + args.output_len
     if "llama.cpp" in args.servers:
-        binary = install.llama_server_path(args.peers_dir)
+        binary = install.llama_server_path(args.peers_dir, args.isa)
         if not binary.is_file():
-            raise SystemExit(f"{binary} is missing: run `{sys.argv[0]} --setup` first")
+            raise SystemExit(f"{binary} is missing: run `{sys.argv[0]} --setup --isa {args.isa}` first")
         port = servers.free_port()
         out.append((servers.llama_cpp_spec(binary, install.embedded_gguf(), port, args.threads, slots,
                                            context + 64), port))
@@ -189,16 +195,23 @@ def specs(args: argparse.Namespace) -> list[tuple[servers.ServerSpec, int]]:
     if "lightinfer" in args.servers:
         for model in args.lightinfer:
             port = servers.free_port()
-            out.append((servers.lightinfer_spec(Path(sys.executable).parent / "lightinfer", model, port), port))
+            spec = servers.lightinfer_spec(Path(sys.executable).parent / "lightinfer", model, port)
+            out.append((dataclasses.replace(spec, env={**spec.env, **isa_env(args.isa)}), port))
     return out
 
 
-def prebuild_c_ops() -> str:
+def isa_env(isa: str) -> dict[str, str]:
+    """The environment that keeps lightinfer (and torch under it) to ``isa``."""
+    return install.AVX2_ENV if isa == "avx2" else {}
+
+
+def prebuild_c_ops(isa: str = "native") -> str:
     """Build lightinfer's C ops into their cache before its start-up is timed, as every start after a machine's
     first finds them (vLLM's and llama.cpp's compiled parts are built at install too); returns the report's note."""
     code = "from lightinfer.kernels import cpu_native; print(cpu_native.library() is not None, cpu_native.status)"
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
+                          env={**os.environ, **isa_env(isa)})
     took = time.monotonic() - start
     print(f"[run] lightinfer's C ops: {done.stdout.strip() or done.stderr.strip()[-300:]} ({took:.1f} s)", flush=True)
     return (f"lightinfer's C ops were built (or found in their cache) before its start-up was timed ({took:.1f} s "
@@ -214,7 +227,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          f"run `{sys.argv[0]} --setup` first")
     meta = _meta()
     if "lightinfer" in args.servers:
-        meta["note"] = prebuild_c_ops()
+        meta["note"] = prebuild_c_ops(args.isa)
+    if args.isa != "native":
+        meta["isa"] = (f"{args.isa} only: llama.cpp and lightinfer built for it on this CPU, torch kept to it "
+                       f"({', '.join(f'{k}={v}' for k, v in isa_env(args.isa).items())})")
     result: dict[str, Any] = {
         "meta": meta,
         "settings": {"loads": [{"concurrency": x.concurrency, "num_prompts": x.num_prompts} for x in args.loads],
@@ -235,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.setup:
         try:
-            install.setup(args.peers_dir, jobs=len(os.sched_getaffinity(0)), llama_cpp="llama.cpp" in args.servers)
+            install.setup(args.peers_dir, jobs=len(os.sched_getaffinity(0)), llama_cpp="llama.cpp" in args.servers,
+                          isa=args.isa)
         except install.SetupError as e:
             print(f"[setup] {e}", file=sys.stderr)
             return 1

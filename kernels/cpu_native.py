@@ -127,6 +127,36 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
+def build_flags() -> tuple[str, ...]:
+    """The compiler flags of the C ops: :data:`FLAGS` with ``-march`` set by ``LIGHTINFER_CPU_MARCH``."""
+    march = switches.current().cpu_march
+    return tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
+
+
+# the compiler's macro of an instruction set -> its Linux /proc/cpuinfo flag (those that choose a path here)
+_MACRO_FLAGS = {"__AVX2__": "avx2", "__AVX512F__": "avx512f", "__AVX512BW__": "avx512bw",
+                "__AVX512VNNI__": "avx512_vnni", "__AVX512BF16__": "avx512_bf16", "__AMX_BF16__": "amx_bf16",
+                "__AMX_TILE__": "amx_tile", "__AVXVNNI__": "avx_vnni", "__AVX512VBMI__": "avx512vbmi"}
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The instruction sets the paths are chosen for: this CPU's Linux flags, or with ``LIGHTINFER_CPU_MARCH``
+    set to another target, the flags of :data:`_MACRO_FLAGS` that the compiler defines for it (none where it
+    cannot tell), so that an AVX2 build on an AVX-512 machine also takes the AVX2 machine's paths."""
+    march = switches.current().cpu_march
+    if march == "native":
+        return frozenset(_cpu_signature().split())
+    compiler = find_compiler()
+    try:
+        done = subprocess.run([compiler or "cc", f"-march={march}", "-dM", "-E", "-x", "c", "-"], input="",
+                              capture_output=True, text=True, timeout=30, check=False)
+    except OSError:
+        return frozenset()
+    defined = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define ")}
+    return frozenset(flag for macro, flag in _MACRO_FLAGS.items() if macro in defined)
+
+
 def build(compiler: str, out: Path, pycall: str | None = None) -> float:
     """Compile :data:`SOURCES` into the shared library ``out`` (written whole or not at all: a temporary file
     renamed into place), with OpenMP if the compiler has it, else without; with ``pycall`` (the C source of
@@ -150,7 +180,7 @@ def _build(compiler: str, out: Path, extra_sources: list[str]) -> float:
     for extra in (("-fopenmp",), ("-fopenmp-simd",)):
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        cmd = [compiler, *FLAGS, *extra, "-o", tmp, *map(str, SOURCES), *extra_sources]
+        cmd = [compiler, *build_flags(), *extra, "-o", tmp, *map(str, SOURCES), *extra_sources]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -198,7 +228,7 @@ def _load() -> NativeOps:
     if compiler is None:
         raise NativeBuildError("no C compiler found (set $CC, or install gcc or clang)")
     pycall = native_pycall.source(_SIGNATURES) if native_pycall.python_include() is not None else None
-    parts = [*(src.read_bytes() for src in SOURCES + HEADERS), compiler.encode(), " ".join(FLAGS).encode(),
+    parts = [*(src.read_bytes() for src in SOURCES + HEADERS), compiler.encode(), " ".join(build_flags()).encode(),
              _cpu_signature().encode(), torch.__version__.encode()]
     path = cache_dir() / f"cpu_decode_ops-{_key(parts, pycall)}.so"
     if not path.exists():
@@ -513,10 +543,10 @@ def w4_linear(x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor, group_siz
 
 @functools.cache
 def bf16_gemm_native() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (x86 ``avx512_bf16`` or ``amx_bf16``; Linux flags), where
+    """Whether this CPU multiplies bf16 in hardware (x86 ``avx512_bf16`` or ``amx_bf16`` in :func:`cpu_flags`), where
     torch's bf16 GEMM (oneDNN) is measured ~4x its fp32 GEMM at a prefill's shapes (``bench/cpu_w4.py
     --gemm``); without them oneDNN converts bf16 in software and fp32 is the safe choice."""
-    flags = _cpu_signature().split()
+    flags = cpu_flags()
     return ("avx512_bf16" in flags or "amx_bf16" in flags) and torch.backends.mkldnn.is_available()
 
 

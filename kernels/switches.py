@@ -25,6 +25,10 @@
                                batches) run as without AMX instead of on its tiles: the block
                                products below 24 rows, the weight dequantized for torch's bf16 GEMM
                                from 24 (``cpu_native.w4_linear``)
+``LIGHTINFER_CPU_MARCH``       the ``-march`` the CPU's C ops are built for (default ``native``),
+                               e.g. ``haswell`` for an AVX2-only build on a newer CPU; the paths
+                               that need bf16 or AMX instructions then follow what that target has,
+                               not this CPU (``cpu_native.cpu_flags``)
 =============================  ==================================================================
 
 The environment is read at the first :func:`current` call and never again: a launch costs a dict
@@ -38,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -50,6 +55,7 @@ CPU_LOWBIT_ENV = "LIGHTINFER_CPU_LOWBIT"
 CPU_NATIVE_ENV = "LIGHTINFER_CPU_NATIVE"
 CPU_W4_ENV = "LIGHTINFER_CPU_W4"
 CPU_AMX_ENV = "LIGHTINFER_CPU_AMX"
+CPU_MARCH_ENV = "LIGHTINFER_CPU_MARCH"
 BACKEND_NAMES = ("triton", "torch_cpu", "reference")
 CPU_W4_NAMES = ("c", "int8", "torch")
 
@@ -71,6 +77,7 @@ class KernelSwitches:
             or ``"torch"`` (torch's int4 GEMM, bf16 activations; also where the C library does not build).
             ``"torch"`` also keeps torch's int8 GEMM for an 8-bit LM head (else ``cpu_native.w8_linear``).
         cpu_amx: on a CPU with AMX, a 4-bit product of many rows runs on the tiles (``cpu_w4_amx.c``).
+        cpu_march: the ``-march`` target of the C ops (``"native"``: this CPU).
     """
 
     backend: str | None = None
@@ -82,13 +89,15 @@ class KernelSwitches:
     cpu_native: bool = True
     cpu_w4: str = "c"
     cpu_amx: bool = True
+    cpu_march: str = "native"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> KernelSwitches:
         """Read the switches from ``environ``; a variable other than ``"0"`` leaves a flag on.
 
         Raises:
-            ValueError: ``LIGHTINFER_BACKEND`` names no backend, or ``LIGHTINFER_CPU_W4`` no CPU product.
+            ValueError: ``LIGHTINFER_BACKEND`` names no backend, ``LIGHTINFER_CPU_W4`` no CPU product, or
+                ``LIGHTINFER_CPU_MARCH`` is not a target's name.
         """
         backend = environ.get(BACKEND_ENV) or None
         if backend is not None and backend not in BACKEND_NAMES:
@@ -106,7 +115,16 @@ class KernelSwitches:
                    cpu_lowbit=environ.get(CPU_LOWBIT_ENV, "1") != "0",
                    cpu_native=environ.get(CPU_NATIVE_ENV, "1") != "0",
                    cpu_w4=cpu_w4,
-                   cpu_amx=environ.get(CPU_AMX_ENV, "1") != "0")
+                   cpu_amx=environ.get(CPU_AMX_ENV, "1") != "0",
+                   cpu_march=_march(environ.get(CPU_MARCH_ENV) or "native"))
+
+
+def _march(value: str) -> str:
+    """``LIGHTINFER_CPU_MARCH`` checked: it reaches a compiler's command line, so only a target's name."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}", value):
+        raise ValueError(f"{CPU_MARCH_ENV}={value!r} is not a -march target; use a name such as haswell, "
+                         f"icelake-server, x86-64-v3, or unset it (native)")
+    return value
 
 
 _current: KernelSwitches | None = None

@@ -187,24 +187,5 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
             live = gr.Markdown(engine_panel(engine))
             gr.Timer(2.0).tick(lambda: engine_panel(engine), None, live, queue=False,
                                api_visibility="undocumented", show_progress="hidden")
-    demo.queue(max_size=max_queue, default_concurrency_limit=None)
-    quiet_when_idle(demo)
+    demo.queue(max_size=max_queue, default_concurrency_limit=None)  # its poll: queue_pace.py (server.py)
     return demo
-
-
-# Gradio's queue polls for new events every 1 ms and for progress updates every 10 ms, also when nobody
-# uses the UI: 1,100 wake-ups of the server's event loop a second, 3-10% of a core for an idle server
-# (bench/idle_cpu.py). At 50 ms / 100 ms (what Gradio itself uses on Windows) an idle server still took 1.0%
-# of a core on 2 idle cores (2026-12-01); every 100 ms / 250 ms costs a chat message at most 100 ms before its
-# event starts (the API is not affected), a small part of a CPU reply's time to first token.
-QUEUE_POLL_S = 0.1
-PROGRESS_POLL_S = 0.25
-
-
-def quiet_when_idle(demo: gr.Blocks) -> None:
-    """Make ``demo``'s Gradio queue poll at :data:`QUEUE_POLL_S` / :data:`PROGRESS_POLL_S` (see above)."""
-    queue = getattr(demo, "_queue", None)
-    if queue is not None and hasattr(queue, "sleep_when_free"):
-        queue.sleep_when_free = max(queue.sleep_when_free, QUEUE_POLL_S)
-        queue.progress_update_sleep_when_free = max(getattr(queue, "progress_update_sleep_when_free", 0.0),
-                                                    PROGRESS_POLL_S)

@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from lightinfer.engine.async_engine import AsyncLLMEngine
 from lightinfer.entrypoints.server import DEFAULT_MAX_REQUEST_BYTES, build_api_app
 from lightinfer.webui.app import build_ui
+from lightinfer.webui.queue_pace import QueuePace, UIActivity
 
 API_KEY_LOGIN_MESSAGE = "This server is protected by an API key: log in with any user name and the API key as password."
 _UPLOAD_ROUTE = re.compile(r"(/gradio_api)?/upload(_progress)?/?")
@@ -96,4 +97,6 @@ def build_app(
     gr.mount_gradio_app(app, blocks, path="/", auth=auth, auth_message=auth_message, ssr_mode=False,
                         footer_links=["api"], run_history=False, show_error=True)
     app.add_middleware(RefuseUploads)
+    if (pace := QueuePace.of(blocks)) is not None:  # Gradio's queue polls often only while the UI is in use
+        app.add_middleware(UIActivity, pace=pace)
     return app

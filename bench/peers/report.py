@@ -79,6 +79,8 @@ def markdown(result: dict[str, Any]) -> str:
     ]
     if meta.get("note"):
         lines += [meta["note"], ""]
+    if meta.get("isa"):
+        lines += [f"Instruction sets: {meta['isa']}.", ""]
     lines += [f"- {s['label']}: {s['note']}" for s in servers if s.get("note")]
     if any(s.get("note") for s in servers):
         lines.append("")

@@ -335,9 +335,10 @@ class AsyncLLMEngine:
         self._reject_queued(EngineDeadError(reason))
 
     def _drain_commands(self, block: bool) -> None:
-        """Run queued adds/aborts in order; when idle, sleep until a command arrives."""
+        """Run queued adds/aborts in order; when idle, sleep until a command arrives (:meth:`shutdown` sends one:
+        no timeout, so an idle engine thread never wakes)."""
         try:
-            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            cmd = self._commands.get() if block else self._commands.get_nowait()
         except queue.Empty:
             return
         handed = 0

@@ -198,3 +198,19 @@ def test_the_c_ops_compile_for_every_x86_generation(march: str, tmp_path: Path) 
         if "march" in done.stderr and "bad value" in done.stderr:
             pytest.skip(f"this compiler does not know -march={march}")
         assert done.returncode == 0, f"{src.name} for -march={march}:\n{done.stderr}"
+
+
+@needs_native
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 targets")
+def test_an_older_target_builds_for_it_and_chooses_its_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LIGHTINFER_CPU_MARCH=haswell on any x86 CPU: the library is built for AVX2 and the paths are those of an
+    AVX2-only CPU (no bf16 GEMM, no AMX), whatever this CPU has."""
+    cpu_native.cpu_flags.cache_clear()
+    with switches.override(cpu_march="haswell"):
+        try:
+            assert "-march=haswell" in cpu_native.build_flags() and "-march=native" not in cpu_native.build_flags()
+            flags = cpu_native.cpu_flags()
+        finally:
+            cpu_native.cpu_flags.cache_clear()
+    assert "avx2" in flags and not flags & {"avx512f", "avx512_bf16", "amx_bf16"}
+    assert "-march=native" in cpu_native.build_flags()

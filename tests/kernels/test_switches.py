@@ -37,3 +37,10 @@ def test_override_is_scoped(kernel_env) -> None:
         pass
     with pytest.raises(TypeError), switches.override(colour=1):
         pass
+
+
+def test_the_c_ops_target_is_a_name_or_refused() -> None:
+    assert switches.KernelSwitches.from_env({}).cpu_march == "native"
+    assert switches.KernelSwitches.from_env({switches.CPU_MARCH_ENV: "x86-64-v3"}).cpu_march == "x86-64-v3"
+    with pytest.raises(ValueError, match="LIGHTINFER_CPU_MARCH='haswell -O0' is not a -march target"):
+        switches.KernelSwitches.from_env({switches.CPU_MARCH_ENV: "haswell -O0"})  # it reaches a command line

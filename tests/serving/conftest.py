@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import uvicorn
 from serving_fakes import FakeLLMEngine
 
 from lightinfer.config import EngineConfig
 from lightinfer.engine.async_engine import AsyncLLMEngine
 from lightinfer.entrypoints.http_limits import HTTPLimits, uvicorn_config
+from lightinfer.entrypoints.quiet_server import QuietServer
 
 
 def free_port() -> int:
@@ -30,11 +30,11 @@ def free_port() -> int:
 class LiveServer:
     url: str
     engine: AsyncLLMEngine
-    server: uvicorn.Server
+    server: QuietServer
     thread: threading.Thread
 
     def stop(self) -> None:
-        self.server.should_exit = True
+        self.server.request_exit()
         self.thread.join(15)
 
 
@@ -43,7 +43,7 @@ def start_server(app: Any, engine: AsyncLLMEngine, timeout: float = 60.0, limits
     """Run ``app`` with uvicorn on a background thread, with the connection ``limits`` ``lightinfer serve``
     uses (default :class:`HTTPLimits`); return once it accepts connections."""
     port = free_port()
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, limits, "warning", timeout_graceful_shutdown=2))
+    server = QuietServer(uvicorn_config(app, "127.0.0.1", port, limits, "warning", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout

@@ -192,17 +192,70 @@ def test_demo_serves_the_gguf_unless_awq_is_asked(monkeypatch: pytest.MonkeyPatc
 
 
 def test_ui_queue_does_not_poll_every_millisecond() -> None:
-    """Gradio's queue polls 1,000 times a second when idle (3-10% of a core for a server nobody uses)."""
+    """Gradio's queue polls 1,000 times a second when idle (3-10% of a core for a server nobody uses); here once
+    a second until the UI is used, then every 100 ms until it has not been for UI_ACTIVE_S."""
+    import asyncio
+
     import gradio as gr
 
-    from lightinfer.webui.app import PROGRESS_POLL_S, QUEUE_POLL_S, quiet_when_idle
+    from lightinfer.webui import queue_pace
+    from lightinfer.webui.queue_pace import PROGRESS_POLL_S, QUEUE_IDLE_POLL_S, QUEUE_POLL_S, QueuePace
 
     with gr.Blocks() as demo:
         gr.Markdown("x")
     demo.queue()
     assert demo._queue.sleep_when_free < QUEUE_POLL_S  # what Gradio does by default, off Windows
-    quiet_when_idle(demo)
-    assert demo._queue.sleep_when_free >= 0.05 and demo._queue.progress_update_sleep_when_free >= PROGRESS_POLL_S
+    pace = QueuePace.of(demo)
+    assert demo._queue.sleep_when_free == QUEUE_IDLE_POLL_S >= 1.0 and not pace.active
+    assert demo._queue.progress_update_sleep_when_free >= PROGRESS_POLL_S
+
+    async def use_then_leave() -> list[bool]:
+        seen = []
+        pace.touch()
+        seen.append(pace.active)
+        await asyncio.sleep(0.15)
+        pace.touch()  # still in use: the window runs from this request
+        await asyncio.sleep(0.15)
+        seen.append(pace.active)  # 0.3 s after the first request, 0.15 s after the last
+        await asyncio.sleep(0.2)
+        seen.append(pace.active)
+        return seen
+
+    old = queue_pace.UI_ACTIVE_S
+    queue_pace.UI_ACTIVE_S = 0.25
+    try:
+        assert asyncio.run(use_then_leave()) == [True, True, False]
+    finally:
+        queue_pace.UI_ACTIVE_S = old
+    assert demo._queue.sleep_when_free == QUEUE_IDLE_POLL_S
+
+
+def test_only_requests_to_the_ui_count_as_using_it() -> None:
+    import asyncio
+
+    from conftest import fake_engine
+
+    from lightinfer.webui.queue_pace import UIActivity
+    from lightinfer.webui.server import build_app
+
+    touched = []
+
+    class Pace:
+        def touch(self) -> None:
+            touched.append(True)
+
+    async def app(scope, receive, send) -> None:
+        pass
+
+    middleware = UIActivity(app, Pace())
+    expected = {"/v1/chat/completions": False, "/metrics": False, "/health": False, "/stats": False, "/": True,
+                "/gradio_api/queue/join": True, "/config": True}
+    for path, ui in expected.items():
+        asyncio.run(middleware({"type": "http", "path": path}, None, None))
+        assert touched == [True] * ui, path
+        touched.clear()
+    server_app = build_app(fake_engine())
+    assert any(m.cls is UIActivity for m in server_app.user_middleware)
 
 
 def test_a_server_steps_on_every_core_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
