@@ -14,7 +14,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -33,6 +33,17 @@ static float row_max(const float* restrict x, long n, int* nan) {
     }
     best = _mm512_reduce_max_ps(m);
     any_nan = unordered != 0;
+#elif defined(__AVX2__)
+    __m256 m = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+    for (; j + 8 <= n; j += 8) {
+        __m256 v = _mm256_loadu_ps(x + j);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        m = _mm256_max_ps(m, v);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    for (int i = 0; i < 8; i++) best = lanes[i] > best ? lanes[i] : best; /* a NaN lane only matters via any_nan */
+    any_nan = _mm256_movemask_ps(unordered) != 0;
 #endif
     for (; j < n; j++) {
         if (x[j] != x[j]) any_nan = 1;
@@ -50,6 +61,13 @@ static long first_index(const float* restrict x, long n, float target, int nan) 
     for (; j + 16 <= n; j += 16) {
         __m512 v = _mm512_loadu_ps(x + j);
         __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, t, _CMP_EQ_OQ);
+        if (hit) return j + __builtin_ctz((unsigned)hit);
+    }
+#elif defined(__AVX2__)
+    const __m256 t = _mm256_set1_ps(target);
+    for (; j + 8 <= n; j += 8) {
+        __m256 v = _mm256_loadu_ps(x + j);
+        int hit = _mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, t, _CMP_EQ_OQ));
         if (hit) return j + __builtin_ctz((unsigned)hit);
     }
 #endif
