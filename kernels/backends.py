@@ -33,6 +33,7 @@ OP_NAMES = (
     "varlen_causal_attention",
     "rms_norm",
     "fused_add_rms_norm",
+    "qk_rms_norm_",
     "rotary_qk",
     "rope_store_kvcache",
     "silu_and_mul",

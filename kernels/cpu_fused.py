@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from . import cpu_native
 from .paged_kv import PagedKV
-from .reference import quantize_kv_int8
+from .reference import qk_heads, quantize_kv_int8
 from .split_k import SplitKPartials
 from .step_memo import step_memo
 
@@ -51,6 +51,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.shape[-1]
     # an fp32 weight with 16-bit x: torch's mixed-dtype LayerNorm applies it in fp32 and rounds once
     return F.layer_norm(torch.cat([x, x.neg()], dim=-1), (2 * h,), _doubled_weight(weight), None, eps)[..., :h]
+
+
+def qk_rms_norm_(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_weight: torch.Tensor,
+                 k_weight: torch.Tensor, eps: float) -> bool:
+    """``reference.qk_rms_norm_``: the C op in place where it applies (one call per layer, which a recorded decode
+    step replays), else the heads normalized as :func:`rms_norm` does. Always True."""
+    if cpu_native.qk_norm_(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps):
+        return True
+    q, k = qk_heads(qkv, num_heads, num_kv_heads, q_weight.shape[-1])
+    q.copy_(rms_norm(q.contiguous(), q_weight, eps))
+    k.copy_(rms_norm(k.contiguous(), k_weight, eps))
+    return True
 
 
 def fused_add_rms_norm(x: torch.Tensor | SplitKPartials, residual: torch.Tensor, weight: torch.Tensor,

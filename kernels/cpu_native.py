@@ -70,6 +70,7 @@ _I8 = 2
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "li_add_rms_norm": (_P, _P, _P, _P, _I, _P, _I, _I, _F, _I, _I),
+    "li_qk_norm": (_P, _I, _I, ctypes.c_long, _I, _I, _I, _P, _P, _I, _F, _I),
     "li_silu_mul": (_P, _P, _I, _I, _I, _I),
     "li_rope_store": (_P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _I),
     "li_attend_decode": (_P, _I, _I, _I, _I, _I, _F, _P, _I, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I, _I),
@@ -337,6 +338,24 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
                         None if x is None else new_residual.data_ptr(), weight.data_ptr(), wdt, out.data_ptr(),
                         residual.numel() // max(h, 1), h, eps, dt, torch.get_num_threads())
     return out, new_residual
+
+
+def qk_norm_(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
+             eps: float) -> bool:
+    """In place: each q head and each k head of a fused projection's ``qkv [T, (H + 2 Hkv) * D]`` (fp32/bf16, rows
+    contiguous) RMS-normalized with ``q_weight`` / ``k_weight`` ``[D]`` (fp32/bf16, one dtype), as
+    :func:`add_rms_norm` normalizes a row. Returns False, untouched, where the C op does not apply."""
+    lib = library()
+    dt, wdt = _DTYPES.get(qkv.dtype), _DTYPES.get(q_weight.dtype)
+    d = q_weight.shape[-1]
+    if lib is None or dt is None or wdt is None or k_weight.dtype != q_weight.dtype or qkv.dim() != 2 or \
+            qkv.stride(1) != 1 or not qkv.is_cpu or qkv.requires_grad or q_weight.shape != (d,) or \
+            k_weight.shape != (d,) or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d or \
+            not _usable(q_weight, k_weight):
+        return False
+    lib.li_qk_norm(qkv.data_ptr(), dt, qkv.shape[0], qkv.stride(0), num_heads, num_kv_heads, d, q_weight.data_ptr(),
+                   k_weight.data_ptr(), wdt, eps, torch.get_num_threads())
+    return True
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor | None:

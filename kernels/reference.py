@@ -315,6 +315,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * inv_rms * weight.to(torch.float32)).to(x.dtype)
 
 
+def qk_rms_norm_(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_weight: torch.Tensor,
+                 k_weight: torch.Tensor, eps: float) -> bool:
+    """The per-head q/k RMSNorms (Qwen3, Gemma 3) in place on a fused projection's ``qkv [T, (H + 2 Hkv) * D]``:
+    each q head :func:`rms_norm`-ed with ``q_weight [D]``, each k head with ``k_weight``; v untouched. Returns
+    whether it normalized: True here; a backend returns False where the model should norm the split heads
+    itself (``LlamaAttention.forward``), as the GPU does with its own kernels."""
+    q, k = qk_heads(qkv, num_heads, num_kv_heads, q_weight.shape[-1])
+    q.copy_(rms_norm(q, q_weight, eps))
+    k.copy_(rms_norm(k, k_weight, eps))
+    return True
+
+
+def qk_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a fused projection's ``qkv [T, (H + 2 Hkv) * D]``: q ``[T, H, D]`` and k ``[T, Hkv, D]``."""
+    q = qkv[:, : num_heads * head_dim].unflatten(-1, (num_heads, head_dim))
+    k = qkv[:, num_heads * head_dim: (num_heads + num_kv_heads) * head_dim].unflatten(-1, (num_kv_heads, head_dim))
+    return q, k
+
+
 def fused_add_rms_norm(
     x: torch.Tensor | SplitKPartials, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

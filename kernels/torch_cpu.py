@@ -28,6 +28,7 @@ from . import cpu_native
 from .cpu_fused import (
     apply_rotary,
     fused_add_rms_norm,
+    qk_rms_norm_,
     rms_norm,
     rope_store_kvcache,
     rotary_qk,
@@ -40,7 +41,7 @@ from .reference import dequantize_kv_int8, gelu_tanh_and_mul, w4a16_gemm, w8a16_
 from .sdpa import attend, varlen_causal_attention
 
 __all__ = ["apply_rotary", "fused_add_rms_norm", "fused_moe", "gather_blocks", "gather_kv", "gelu_tanh_and_mul",
-           "paged_attention_decode", "paged_attention_prefill", "rms_norm", "rope_store_kvcache", "rotary_qk", "silu_and_mul",
+           "paged_attention_decode", "paged_attention_prefill", "qk_rms_norm_", "rms_norm", "rope_store_kvcache", "rotary_qk", "silu_and_mul",
            "store_kvcache", "varlen_causal_attention", "w4a16_gemm", "w8a16_gemm"]
 
 

@@ -7,6 +7,8 @@ interpreter: tests). Cache-free attention has no kernel of ours: it is torch's S
 
 from __future__ import annotations
 
+import torch
+
 from .fused_moe import fused_moe
 from .kv_store import store_kvcache
 from .norm_rope import fused_add_rms_norm, gelu_tanh_and_mul, rms_norm, rotary_qk, silu_and_mul
@@ -17,5 +19,12 @@ from .w4a16_gemm import w4a16_gemm
 from .w8a16_gemm import w8a16_gemm
 
 __all__ = ["fused_add_rms_norm", "fused_moe", "gelu_tanh_and_mul", "paged_attention_decode", "paged_attention_prefill",
-           "rms_norm", "rope_store_kvcache", "rotary_qk", "silu_and_mul", "store_kvcache", "varlen_causal_attention",
+           "qk_rms_norm_", "rms_norm", "rope_store_kvcache", "rotary_qk", "silu_and_mul", "store_kvcache", "varlen_causal_attention",
            "w4a16_gemm", "w8a16_gemm"]
+
+
+def qk_rms_norm_(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_weight: torch.Tensor,
+                 k_weight: torch.Tensor, eps: float) -> bool:
+    """``reference.qk_rms_norm_``, declined: on the GPU the model norms the split q/k heads with :func:`rms_norm`
+    and rotates them with :func:`rotary_qk` (returns False, ``qkv`` untouched)."""
+    return False

@@ -19,6 +19,7 @@ from lightinfer.layers.embed_head import LMHead, VocabEmbedding
 from lightinfer.layers.fusion import RESIDUAL, Feeds, Fuse, FusionPlan, materialize
 from lightinfer.layers.linear import make_linear
 from lightinfer.layers.norm import RMSNorm
+from lightinfer.layers.ops import ops_for
 from lightinfer.layers.rotary import RotaryEmbedding, rope_spec
 from lightinfer.models.awq_tables import LLAMA_TABLE, AwqTable
 from lightinfer.models.base import CausalLM
@@ -78,7 +79,14 @@ class LlamaAttention(nn.Module):
             # RoPE and the KV-cache write fused with the projection's epilogue (Attention.forward_qkv)
             return self.o_proj(self.attn.forward_qkv(positions, self.qkv_proj(hidden_states), self.rotary_emb))
         if self.qkv_proj is not None:
-            q, k, v = self.attn.split_qkv(self.qkv_proj(hidden_states))
+            qkv = self.qkv_proj(hidden_states)
+            # The q/k norms in place on the fused output where the backend does that (the CPU: one C call per
+            # layer, so a recorded decode step can replay it), then RoPE + KV store fused as above.
+            if self.q_norm is not None and isinstance(qkv, torch.Tensor) and ops_for(qkv).qk_rms_norm_(
+                    qkv, self.num_heads, self.num_kv_heads, self.q_norm.kernel_weight(), self.k_norm.kernel_weight(),
+                    self.q_norm.eps):
+                return self.o_proj(self.attn.forward_qkv(positions, qkv, self.rotary_emb))
+            q, k, v = self.attn.split_qkv(qkv)
         else:
             t = hidden_states.shape[0]
             q = self.q_proj(hidden_states).reshape(t, self.num_heads, self.head_dim)

@@ -5,6 +5,7 @@
  * torch_cpu backend's (kernels/cpu_fused.py, kernels/torch_cpu.py) up to fp32 summation order:
  *
  *   li_add_rms_norm   residual = x + residual (rounded to the activation dtype), out = RMSNorm(residual) * w
+ *   li_qk_norm        the per-head q and k RMSNorms of a fused qkv projection's output, in place
  *   li_silu_mul       out = silu(gate) * up, computed in fp32, rounded once
  *   li_rope_store     rotate-half RoPE of q and k (each product and sum rounded as torch rounds them: no
  *                     fused multiply-add), k and v written at their cache slots (INT8: per token and head,
@@ -97,6 +98,32 @@ void li_add_rms_norm(const void* x, const void* residual, void* residual_out, co
         float rstd = 1.0f / sqrtf(ss / (float)h + eps);
         for (int i = 0; i < h; i++) a[i] = v[i] * rstd * w[i];
         from_f32(out, dt, base, h, a);
+    }
+}
+
+/* qkv [T, row_stride] of dtype dt, per token q (H heads of D) | k (Hkv heads) | v: each q head normalized in place
+ * with q_weight, each k head with k_weight (dtype wdt), as li_add_rms_norm without x normalizes a row (fp32 inside,
+ * rounded once): the per-head q/k norms of Qwen3 and Gemma 3, before li_rope_store reads the same buffer. */
+void li_qk_norm(void* qkv, int dt, int T, long row_stride, int H, int Hkv, int D, const void* q_weight,
+                const void* k_weight, int wdt, float eps, int nthreads) {
+    float qw[D], kw[D];
+    to_f32(q_weight, wdt, 0, D, qw);
+    to_f32(k_weight, wdt, 0, D, kw);
+    const int heads = H + Hkv;
+    int threads = (long)T * heads * D < PARALLEL_MIN ? 1 : nthreads;
+#pragma omp parallel for num_threads(threads) if (threads > 1)
+    for (long item = 0; item < (long)T * heads; item++) {
+        int h = (int)(item % heads);
+        size_t base = (size_t)(item / heads) * (size_t)row_stride + (size_t)h * D;
+        const float* w = h < H ? qw : kw;
+        float v[D];
+        to_f32(qkv, dt, base, D, v);
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int i = 0; i < D; i++) ss += v[i] * v[i];
+        float rstd = 1.0f / sqrtf(ss / (float)D + eps);
+        for (int i = 0; i < D; i++) v[i] = v[i] * rstd * w[i];
+        from_f32(qkv, dt, base, D, v);
     }
 }
 

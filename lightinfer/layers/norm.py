@@ -26,6 +26,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
+    def kernel_weight(self) -> torch.Tensor:
+        """The weight the kernels multiply by, ``[hidden]``: ``weight`` itself here."""
+        return self.weight
+
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -67,6 +71,10 @@ class OffsetRMSNorm(RMSNorm):
         if self._effective is None or self._effective[0] != key or version == -1:
             self._effective = (key, w.detach().float() + self.weight_offset)
         return self._effective[1]
+
+    def kernel_weight(self) -> torch.Tensor:
+        """:meth:`effective_weight`: the kernels multiply by ``1 + weight``."""
+        return self.effective_weight()
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -11,6 +11,7 @@ from lightinfer import LLM, SamplingParams
 from lightinfer.engine.cpu_graph import CaptureRefused, _place, _Ranges, inputs_within, plan_graph
 from lightinfer.engine.step_inputs import StepInputs
 from lightinfer.kernels import cpu_native
+from lightinfer.layers.norm import RMSNorm
 from tests.formats.gguf_files import write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="the C ops do not build here")
@@ -89,6 +90,33 @@ def test_a_forward_with_torch_compute_runs_eagerly(tiny_q4: str) -> None:
     assert set(runner.refused) == {1, 2, 3, 4, 5}
     assert "aten.mul" in runner.refused[1]
     assert results[0] == results[1]
+
+
+def _with_qk_norms(llm: LLM) -> None:
+    """Give every attention layer Qwen3-style per-head q/k RMSNorms (the same random weights for every engine)."""
+    gen = torch.Generator().manual_seed(3)
+    for layer in llm.llm_engine.model_runner.model.model.layers:
+        attn = layer.self_attn
+        attn.q_norm, attn.k_norm = (RMSNorm(attn.head_dim, 1e-6, torch.bfloat16) for _ in range(2))
+        for norm in (attn.q_norm, attn.k_norm):
+            norm.weight.copy_(torch.rand(attn.head_dim, generator=gen) + 0.5)
+
+
+def test_steps_of_a_model_with_q_k_norms_are_replayed(tiny_q4: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-head q/k norms (Qwen3, Gemma 3) run as one C call per layer on the fused qkv output, so their decode
+    steps are recorded and replayed, with the tokens of the eager engine and of the heads normed one by one."""
+    opts = {"dtype": "bfloat16", "num_kv_blocks": 64, "max_num_seqs": 8}
+    results = {}
+    for name, eager in (("eager", True), ("graphed", False)):
+        llm = LLM(tiny_q4, enforce_eager=eager, **opts)
+        _with_qk_norms(llm)
+        results[name] = _generate(llm)
+    runner = llm.llm_engine.model_runner.cpu_graph_runner
+    assert runner is not None and runner.refused == {} and set(runner.cpu_graphs) == {1, 2, 3, 4, 5}
+    monkeypatch.setattr(cpu_native, "qk_norm_", lambda *a, **k: False)  # each head normed by the torch path
+    split = LLM(tiny_q4, enforce_eager=True, **opts)
+    _with_qk_norms(split)
+    assert results["graphed"] == results["eager"] == _generate(split)
 
 
 def _step(positions: list[int], slots: list[int], lens: list[int], tables: list[list[int]]) -> StepInputs:

@@ -49,6 +49,29 @@ def test_norms_match_the_torch_ops(dtype: torch.dtype) -> None:
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 300])  # 300: the threaded loop
+def test_the_qk_norms_in_place_match_each_head_normed_alone(dtype: torch.dtype, tokens: int) -> None:
+    """li_qk_norm normalizes each q head and each k head of a fused qkv output in place (Qwen3's q/k norms), as
+    li_add_rms_norm normalizes a row; v is untouched; the reference twin agrees within rounding."""
+    gen = torch.Generator().manual_seed(tokens)
+    h, hkv, d = 6, 2, 64
+    qkv = torch.randn(tokens, (h + 2 * hkv) * d, generator=gen).to(dtype)
+    qw, kw = (torch.rand(d, generator=gen).to(dtype) + 0.5 for _ in range(2))
+    got, want = qkv.clone(), qkv.clone()
+    assert cpu_native.qk_norm_(got, h, hkv, qw, kw, 1e-6)
+    heads = qkv.unflatten(-1, (h + 2 * hkv, d))
+    rows = [cpu_native.add_rms_norm(None, heads[:, i].contiguous(), qw if i < h else kw, 1e-6)[0]
+            for i in range(h + hkv)]
+    assert torch.equal(got.unflatten(-1, (h + 2 * hkv, d))[:, : h + hkv], torch.stack(rows, dim=1))
+    assert torch.equal(got[:, (h + hkv) * d:], qkv[:, (h + hkv) * d:])
+    assert ref.qk_rms_norm_(want, h, hkv, qw, kw, 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert not cpu_native.qk_norm_(got.t(), h, hkv, qw, kw, 1e-6)  # strided rows: declined, untouched
+
+
+@needs_native
 def test_parallel_rows_equal_one_row_at_a_time() -> None:
     """Enough rows to take the threaded loop: each row as computed alone."""
     gen = torch.Generator().manual_seed(2)
