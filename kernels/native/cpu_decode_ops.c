@@ -74,6 +74,15 @@ static inline float exp_approx(float x) {
     return p * two_n;
 }
 
+/* out[i] = v[i] / rms(v) * w[i] over h values, fp32 (out may be v): one row of each RMSNorm here */
+static inline void rms_scale(const float* v, const float* w, int h, float eps, float* out) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int i = 0; i < h; i++) ss += v[i] * v[i];
+    float rstd = 1.0f / sqrtf(ss / (float)h + eps);
+    for (int i = 0; i < h; i++) out[i] = v[i] * rstd * w[i];
+}
+
 /* x, residual, out, residual_out: [rows, h] of dtype dt (x may be NULL: no add, residual_out unused);
  * weight [h] of dtype wdt. */
 void li_add_rms_norm(const void* x, const void* residual, void* residual_out, const void* weight, int wdt,
@@ -92,11 +101,7 @@ void li_add_rms_norm(const void* x, const void* residual, void* residual_out, co
             round_to(dt, h, v);
             from_f32(residual_out, dt, base, h, v);
         }
-        float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (int i = 0; i < h; i++) ss += v[i] * v[i];
-        float rstd = 1.0f / sqrtf(ss / (float)h + eps);
-        for (int i = 0; i < h; i++) a[i] = v[i] * rstd * w[i];
+        rms_scale(v, w, h, eps, a);
         from_f32(out, dt, base, h, a);
     }
 }
@@ -118,11 +123,7 @@ void li_qk_norm(void* qkv, int dt, int T, long row_stride, int H, int Hkv, int D
         const float* w = h < H ? qw : kw;
         float v[D];
         to_f32(qkv, dt, base, D, v);
-        float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (int i = 0; i < D; i++) ss += v[i] * v[i];
-        float rstd = 1.0f / sqrtf(ss / (float)D + eps);
-        for (int i = 0; i < D; i++) v[i] = v[i] * rstd * w[i];
+        rms_scale(v, w, D, eps, v);
         from_f32(qkv, dt, base, D, v);
     }
 }
