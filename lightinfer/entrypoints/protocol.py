@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
 
 from lightinfer.inputs import check_text
 
@@ -322,6 +322,11 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: Any) -> dict[str, Any]:
+        # OpenAI sends only the fields a piece has ({"content": "Hi"}, or {} with a finish_reason), not nulls
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatCompletionStreamChoice(BaseModel):

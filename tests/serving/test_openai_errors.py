@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -32,6 +33,21 @@ def test_happy_path_on_fake(client: openai.OpenAI) -> None:
     assert client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, seed=-5).choices
     with pytest.raises(openai.BadRequestError, match="seed"):
         client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, seed=2**63)
+
+
+def test_streamed_deltas_carry_only_their_fields(fake_server: LiveServer) -> None:
+    """As OpenAI streams them: the role once, then {"content": ...} pieces (or {}); no nulls for the fields a piece
+    does not have."""
+    body = {"model": MODEL, "messages": MSG, "max_tokens": 4, "temperature": 0, "stream": True}
+    r = httpx.post(f"{fake_server.url}/v1/chat/completions", json=body, timeout=30,
+                   headers={"Authorization": "Bearer test-key"})
+    deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.text.splitlines()
+              if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert len(deltas) > 2 and all(set(d) <= {"content"} for d in deltas[1:])
+    whole = httpx.post(f"{fake_server.url}/v1/chat/completions", json={**body, "stream": False}, timeout=30,
+                       headers={"Authorization": "Bearer test-key"}).json()
+    assert "".join(d.get("content", "") for d in deltas) == whole["choices"][0]["message"]["content"]
 
 
 @pytest.mark.parametrize("key", [None, "wrong-key"])
