@@ -106,6 +106,9 @@ def test_stop_aborts_the_engine_request(browser: Any, real_server: LiveServer) -
     page.locator("button.stop-button").click()
     stats = wait_idle(real_server.url, timeout=15)  # running 0, all blocks free
     assert stats["num_running"] == 0
+    # Stop's own answer, the "stopped" mark with the reply's numbers, comes once the reply's generator has ended,
+    # which may be after the engine is idle: wait for it, then nothing more may arrive
+    _wait_for(lambda: any("stopped" in t for t in _bot_texts(page)), 15, "the stopped mark")
     frozen = _bot_texts(page)
     time.sleep(1.0)
     assert _bot_texts(page) == frozen  # nothing more arrives after Stop
