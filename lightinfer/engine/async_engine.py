@@ -25,11 +25,15 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from lightinfer.inputs import EngineRequest, PromptType
+from lightinfer.inputs import EngineRequest, InputProcessor, PromptType
 from lightinfer.outputs import RequestOutput
 from lightinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from lightinfer.config import EngineConfig
+    from lightinfer.engine.llm_engine import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +60,49 @@ class RequestObserver(Protocol):
     def on_inter_token(self, seconds: float) -> None: ...
     def on_finished(self, finish_reason: str, seconds: float) -> None: ...
     def on_rejected(self) -> None: ...
+
+
+class EngineCore(Protocol):
+    """What the engine thread calls on the engine it serves: ``LLMEngine``'s interface (tests serve a fake)."""
+
+    config: EngineConfig
+    tokenizer: Any  # a Hugging Face tokenizer, or None for a checkpoint served from token ids
+    input_processor: InputProcessor
+
+    def add_request(self, request_id: str, prompt: PromptType | EngineRequest,
+                    sampling_params: SamplingParams | None = None) -> None: ...
+    def abort_request(self, request_id: str) -> RequestOutput | None: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def step(self) -> list[RequestOutput]: ...
+    def get_stats(self) -> EngineStats: ...
+    def model_info(self) -> dict[str, Any]: ...
+
+
+# ---------------------------------------------------------------- commands: client threads -> engine thread
+@dataclass(frozen=True)
+class AddRequest:
+    """Hand a request to the engine; ``accepted`` resolves once the engine took it (or with its ValueError)."""
+
+    request_id: str
+    prompt: PromptType | EngineRequest
+    sampling_params: SamplingParams | None
+    stream: RequestStream
+    accepted: concurrent.futures.Future[None]
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Abort a request (unknown or finished ids are ignored); its stream ends."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Wake an idle engine thread so it sees the stop flag (sent by :meth:`AsyncLLMEngine.shutdown`)."""
+
+
+EngineCommand = AddRequest | AbortRequest | Wake
 
 
 class RequestStream:
@@ -127,7 +174,7 @@ class AsyncLLMEngine:
     """Serve one ``LLMEngine`` to many asyncio clients.
 
     Args:
-        engine: an ``LLMEngine`` (or anything with the same interface); from now on only the
+        engine: an ``LLMEngine`` (or anything with its :class:`EngineCore` interface); from now on only the
             background thread may call it.
         max_waiting: most requests queued to run beyond the ``max_num_seqs`` that run at once; past it
             new ones are refused with :class:`EngineOverloadedError`; None = ``engine.config.max_waiting``.
@@ -136,7 +183,7 @@ class AsyncLLMEngine:
             running (the next step schedules them), not as queued.
     """
 
-    def __init__(self, engine: Any, max_waiting: int | None = None) -> None:
+    def __init__(self, engine: EngineCore, max_waiting: int | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         # The engine's input processor: front ends take a copy (own tokenizer) and submit EngineRequests,
@@ -146,7 +193,7 @@ class AsyncLLMEngine:
         self.max_num_seqs = int(getattr(engine.config, "max_num_seqs", 1))
         self._model_info = engine.model_info()
         self._stats = engine.get_stats()
-        self._commands: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._commands: queue.Queue[EngineCommand] = queue.Queue()
         self._num_pending = 0  # submitted, not yet handed to the engine
         self._pending_lock = threading.Lock()
         self._requests: dict[str, _Tracked] = {}  # engine thread only
@@ -157,7 +204,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def from_config(cls, config: Any, *, show_progress: bool = True, max_waiting: int | None = None
+    def from_config(cls, config: EngineConfig, *, show_progress: bool = True, max_waiting: int | None = None
                     ) -> AsyncLLMEngine:
         """Load the model on the engine's own thread and start the loop there; what ``lightinfer serve`` does.
 
@@ -179,7 +226,7 @@ class AsyncLLMEngine:
         """
         from lightinfer.engine.llm_engine import LLMEngine
 
-        loaded: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        loaded: concurrent.futures.Future[LLMEngine] = concurrent.futures.Future()
         owner: queue.Queue[AsyncLLMEngine | None] = queue.Queue(maxsize=1)
 
         def boot() -> None:
@@ -216,7 +263,7 @@ class AsyncLLMEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop; requests still in flight end with :class:`EngineDeadError`."""
         self._stop.set()
-        self._commands.put(("wake",))
+        self._commands.put(Wake())
         if self._thread is not None:
             self._thread.join(timeout)
         self._thread = None
@@ -235,7 +282,7 @@ class AsyncLLMEngine:
         """The engine's ``model_info()``, read once at start (it does not change)."""
         return dict(self._model_info)
 
-    def get_stats(self) -> Any:
+    def get_stats(self) -> EngineStats:
         """The newest ``EngineStats`` snapshot (taken on the engine thread after each step/command)."""
         return self._stats
 
@@ -276,7 +323,7 @@ class AsyncLLMEngine:
             self._num_pending += 1
         stream = RequestStream(request_id, asyncio.get_running_loop())
         accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._commands.put(("add", request_id, prompt, sampling_params, stream, accepted))
+        self._commands.put(AddRequest(request_id, prompt, sampling_params, stream, accepted))
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
@@ -308,7 +355,7 @@ class AsyncLLMEngine:
 
         Unknown or already finished ids are ignored; the request's stream ends.
         """
-        self._commands.put(("abort", request_id))
+        self._commands.put(AbortRequest(request_id))
 
     # ---------------------------------------------------------------- engine thread
     def _run(self) -> None:
@@ -343,7 +390,7 @@ class AsyncLLMEngine:
             return
         handed = 0
         while True:
-            handed += cmd[0] == "add"
+            handed += isinstance(cmd, AddRequest)
             self._handle(cmd)
             try:
                 cmd = self._commands.get_nowait()
@@ -355,32 +402,32 @@ class AsyncLLMEngine:
         with self._pending_lock:
             self._num_pending -= handed
 
-    def _handle(self, cmd: tuple[Any, ...]) -> None:
-        kind = cmd[0]
-        if kind == "add":
-            _, request_id, prompt, params, stream, accepted = cmd
-            if not accepted.set_running_or_notify_cancel():  # the client gave up while queued
+    def _handle(self, cmd: EngineCommand) -> None:
+        if isinstance(cmd, AddRequest):
+            if not cmd.accepted.set_running_or_notify_cancel():  # the client gave up while queued
                 return
             try:
-                if request_id in self._requests:
-                    raise ValueError(f"request id {request_id!r} is already in use")
-                self.engine.add_request(request_id, prompt, params)
+                if cmd.request_id in self._requests:
+                    raise ValueError(f"request id {cmd.request_id!r} is already in use")
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.sampling_params)
             except Exception as exc:  # noqa: BLE001 -- whatever add_request raises, only this request is refused
-                accepted.set_exception(exc if isinstance(exc, ValueError) else ValueError(str(exc)))
+                cmd.accepted.set_exception(exc if isinstance(exc, ValueError) else ValueError(str(exc)))
                 return
-            n = (prompt.sampling_params if isinstance(prompt, EngineRequest) else params or SamplingParams()).n
-            self._requests[request_id] = _Tracked(stream, time.monotonic(), num_tokens=[0] * n)
-            accepted.set_result(None)
-        elif kind == "abort":
-            tracked = self._requests.pop(cmd[1], None)
+            params = cmd.prompt.sampling_params if isinstance(cmd.prompt, EngineRequest) else cmd.sampling_params
+            n = (params or SamplingParams()).n
+            self._requests[cmd.request_id] = _Tracked(cmd.stream, time.monotonic(), num_tokens=[0] * n)
+            cmd.accepted.set_result(None)
+        elif isinstance(cmd, AbortRequest):
+            tracked = self._requests.pop(cmd.request_id, None)
             try:
-                self.engine.abort_request(cmd[1])
+                self.engine.abort_request(cmd.request_id)
             except Exception:
-                logger.exception("abort of %s failed", cmd[1])
+                logger.exception("abort of %s failed", cmd.request_id)
             if tracked is not None:
                 for obs in self._observers:
                     obs.on_finished("abort", time.monotonic() - tracked.arrival)
                 tracked.stream.put(_FINISHED)
+        # Wake: nothing to do; it only ended the idle wait in _drain_commands
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -434,8 +481,8 @@ class AsyncLLMEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "add":
+            if isinstance(cmd, AddRequest):
                 with self._pending_lock:
                     self._num_pending -= 1
-                if cmd[5].set_running_or_notify_cancel():
-                    cmd[5].set_exception(exc)
+                if cmd.accepted.set_running_or_notify_cancel():
+                    cmd.accepted.set_exception(exc)
