@@ -11,9 +11,9 @@
 #   bash bench/gpu_checks.sh e2e      # Llama-2-7B shape, W4 + INT8 KV vs transformers fp16, ~8 min
 #   bash bench/gpu_checks.sh memory MODEL  # the memory table measured by the engine for one model
 #                                     # (llama-3-8b or llama-2-7b: 12 engine starts, ~5 min each)
-#   bash bench/gpu_checks.sh kernels  # bench/kernels.py --quick: issue 5 figures (GEMM incl. swap_ab, attention)
+#   bash bench/gpu_checks.sh kernels  # bench/kernels/gpu_kernels.py --quick: issue 5 figures (GEMM incl. swap_ab, attention)
 #                                     # and the PDL decode chain (extra arguments go to it, e.g. --skip attn)
-#   bash bench/gpu_checks.sh tune     # bench/tune_w4a16.py: the W4A16 launch per shape and M on this GPU, written
+#   bash bench/gpu_checks.sh tune     # bench/kernels/tune_w4a16.py: the W4A16 launch per shape and M on this GPU, written
 #                                     # to kernels/configs/w4a16_<device>.json and $OUT after every pair; starts
 #                                     # no new pair after --budget-s (default 420 s; a full run is ~11 min:
 #                                     # copy the returned file into kernels/configs/ and call again with
@@ -21,7 +21,7 @@
 #                                     # Commit the file.
 #   bash bench/gpu_checks.sh smollm2  # SmolLM2 AWQ + INT8 KV, GPU vs CPU: the second of two calls that
 #                                     # bring the model (see bench/gpu_assets.py), ~1 min
-#   bash bench/gpu_checks.sh moe      # MoE (issue 18): tests/gpu/test_moe_gpu.py, then bench/moe.py --quick (fused
+#   bash bench/gpu_checks.sh moe      # MoE (issue 18): tests/gpu/test_moe_gpu.py, then bench/kernels/moe_gpu.py --quick (fused
 #                                     # kernel vs per-expert loop vs dense W4 of the same active size), ~4 min
 #   bash bench/gpu_checks.sh newkernels  # tests/gpu/test_new_kernels_gpu.py alone (W8A16, window + softcap attention)
 #   bash bench/gpu_checks.sh first    # tests, then tune with what is left of 540 s (one machine start for both:
@@ -39,21 +39,21 @@ case "${1:-tests}" in
   e2e)
     # transformers runs first (its 13.5 GB model is freed before the engine sizes its KV pool);
     # 32 of the 256 requests (one static batch) time it (a rate), all 256 time lightinfer.
-    $PY bench/e2e.py bench/configs/llama-2-7b --dummy-weights --quantization awq --kv-cache-dtype int8 \
+    $PY -m bench.serving.e2e bench/configs/llama-2-7b --dummy-weights --quantization awq --kv-cache-dtype int8 \
       --dtype float16 --hf-num-prompts 32 --out-dir "$OUT" 2>&1 | tee "$OUT/e2e_llama-2-7b.log" | tail -20 ;;
   memory)
-    $PY bench/memory_table.py --measure --models "${2:-llama-3-8b}" --out-dir "$OUT" 2>&1 \
+    $PY -m bench.serving.memory_table --measure --models "${2:-llama-3-8b}" --out-dir "$OUT" 2>&1 \
       | tee "$OUT/memory_table_${2:-llama-3-8b}.log" | tail -20 ;;
   kernels)
-    $PY bench/kernels.py --quick --out "$OUT/kernels.json" "${@:2}" 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
+    $PY -m bench.kernels.gpu_kernels --quick --out "$OUT/gpu_kernels.json" "${@:2}" 2>&1 | tee "$OUT/gpu_kernels.log" | tail -30 ;;
   tune)
-    $PY bench/tune_w4a16.py --copy-to "$OUT" "${@:2}" 2>&1 | tee "$OUT/tune_w4a16.log" | tail -30 ;;
+    $PY -m bench.kernels.tune_w4a16 --copy-to "$OUT" "${@:2}" 2>&1 | tee "$OUT/tune_w4a16.log" | tail -30 ;;
   first)
     start=$SECONDS
     # the new-kernel tests (3-5 min of compiles, estimated) have a stage of their own: `newkernels`
     timeout 240 $PY -m pytest -q -rA tests/gpu --ignore=tests/gpu/test_new_kernels_gpu.py 2>&1 \
       | tee "$OUT/gpu_tests.log" | tail -15
-    $PY bench/tune_w4a16.py --copy-to "$OUT" --budget-s $((540 - (SECONDS - start) - 90)) "${@:2}" 2>&1 \
+    $PY -m bench.kernels.tune_w4a16 --copy-to "$OUT" --budget-s $((540 - (SECONDS - start) - 90)) "${@:2}" 2>&1 \
       | tee "$OUT/tune_w4a16.log" | tail -15 ;;
   smollm2)
     $PY bench/gpu_assets.py join && $PY -m pytest -q -s tests/gpu/test_engine_gpu.py -k smollm2 2>&1 \
@@ -62,6 +62,6 @@ case "${1:-tests}" in
     timeout 540 $PY -m pytest -q -rA tests/gpu/test_new_kernels_gpu.py 2>&1 | tee "$OUT/new_kernels_gpu.log" | tail -20 ;;
   moe)
     timeout 240 $PY -m pytest -q -rA tests/gpu/test_moe_gpu.py 2>&1 | tee "$OUT/moe_gpu_tests.log" | tail -15
-    timeout 300 $PY bench/moe.py --quick --out "$OUT/moe_gpu.json" 2>&1 | tee "$OUT/moe_gpu.log" | tail -20 ;;
+    timeout 300 $PY -m bench.kernels.moe_gpu --quick --out "$OUT/moe_gpu.json" 2>&1 | tee "$OUT/moe_gpu.log" | tail -20 ;;
   *) echo "unknown stage $1 (tests | newkernels | tune | kernels | e2e | memory | smollm2 | moe | first)"; exit 2 ;;
 esac

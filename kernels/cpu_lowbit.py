@@ -1,7 +1,7 @@
 """Low-bit weights on the CPU: 4- and 8-bit linears that stay 4-/8-bit in memory.
 
 The CPU matrix product of ``W4A16Linear`` / ``W8A16Linear`` (and of the experts of a MoE layer), chosen by
-measuring the candidates at SmolLM2's shapes (``bench/cpu_gemm.py``, ``bench/cpu_w4.py``,
+measuring the candidates at SmolLM2's shapes (``bench/cpu_gemm.py`` (at commit 220074d), ``bench/kernels/cpu_w4.py``,
 ``docs/cpu_performance.md``). A weight is converted once, at load time, by :func:`prepare_w4` /
 :func:`prepare_w8` into a form opaque to callers, and used by :func:`quant_linear`:
 
@@ -44,7 +44,7 @@ the memory estimates hold whichever runs). The math of torch's paths is the refe
   weight twice per few rows, and the
   LM head is the largest product of a step: 49,152 x 576 at 2 threads, 1 / 16 rows, 4.2 / 23.6 ms as halves
   against 1.5 / 16.5 ms (AVX2), and 2.35 / 13.7 against 1.9 / 7.7 ms at one thread (AVX-512,
-  ``bench/results/cpu_gemm*.md``); held-out perplexity 15.39 against 15.44 with the halves (SmolLM2 GGUF,
+  ``bench/results/cpu_gemm*.md`` at commits 86ea725, 26f9625 and 47224d0); held-out perplexity 15.39 against 15.44 with the halves (SmolLM2 GGUF,
   8,192 tokens). Only the head: elsewhere the file's codes stay as they are.
 """
 

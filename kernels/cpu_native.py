@@ -3,7 +3,7 @@
 At batch 1 a CPU decode step spends more time in the ~40 small torch ops per layer around its matrix
 products (norms, RoPE, the KV store, the gather and SDPA of decode attention, SiLU·mul, the casts
 between them) than in the products themselves: ~16 of a 30 ms step on a 2-core AVX2 EPYC
-(``bench/cpu_step_floor.py``). Each op here is one C call doing what those torch ops do, with the same
+(``bench/kernels/cpu_step_floor.py``). Each op here is one C call doing what those torch ops do, with the same
 results up to fp32 summation order (``tests/kernels/test_cpu_native.py``):
 
 * :func:`add_rms_norm`: the residual add and RMSNorm (``cpu_fused.fused_add_rms_norm`` / ``rms_norm``);
@@ -489,7 +489,7 @@ def attend_decode(q: torch.Tensor, kv: PagedKV, block_tables: torch.Tensor, cont
 
 W4_BLOCK = 32  # the activation block of the 4-bit product (int8, one scale per 32 values, as llama.cpp's Q8)
 # From this many rows (a prefill) the weight is dequantized into a per-thread buffer and multiplied by torch's
-# dense GEMM, where that was measured faster than the block dot products (bench/cpu_w4.py --gemm): to fp32 from
+# dense GEMM, where that was measured faster than the block dot products (bench/kernels/cpu_w4.py --gemm): to fp32 from
 # 64 rows (exact), to bf16 from 24 rows on a CPU that multiplies bf16 in hardware (bf16_gemm_native: ~4x the
 # fp32 GEMM, at 32 rows already 0.6-0.8x the block products' time on an AVX-512 EPYC, 2026-12-06).
 W4_DENSE_ROWS = 64
@@ -563,7 +563,7 @@ def w4_linear(x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor, group_siz
 @functools.cache
 def bf16_gemm_native() -> bool:
     """Whether this CPU multiplies bf16 in hardware (x86 ``avx512_bf16`` or ``amx_bf16`` in :func:`cpu_flags`), where
-    torch's bf16 GEMM (oneDNN) is measured ~4x its fp32 GEMM at a prefill's shapes (``bench/cpu_w4.py
+    torch's bf16 GEMM (oneDNN) is measured ~4x its fp32 GEMM at a prefill's shapes (``bench/kernels/cpu_w4.py
     --gemm``); without them oneDNN converts bf16 in software and fp32 is the safe choice."""
     flags = cpu_flags()
     return ("avx512_bf16" in flags or "amx_bf16" in flags) and torch.backends.mkldnn.is_available()

@@ -57,7 +57,7 @@ class MoeConfig:
 # Picked by the average number of pairs per expert (decode: ~1). BLOCK_M 16 is tl.dot's smallest tile; the
 # prefill tile reuses each dequantized weight tile for 64 tokens. Chosen to fit sm_86's 99 KB of shared memory
 # with both accumulators (kernels/audit/smem_check.py compiles them); not yet timed on a GPU
-# (bench/moe.py times them).
+# (bench/kernels/moe_gpu.py times them).
 MOE_CONFIGS: tuple[MoeConfig, ...] = (
     MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=2),
     MoeConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=2),

@@ -14,7 +14,7 @@ weights. Otherwise they subtract in fp32 in two steps, one FADD more per weight 
 (:mod:`.w4_decode` says why). The flag is a constexpr: the integer-zero kernels are compiled as before.
 
 Four paths. On a GPU model with a tuned file (``kernels/configs/w4a16_<device>.json``, written by
-``bench/tune_w4a16.py``, read by :mod:`.w4a16_tuning`) the path, tile, pipeline depth and split-K of each
+``bench/kernels/tune_w4a16.py``, read by :mod:`.w4a16_tuning`) the path, tile, pipeline depth and split-K of each
 weight shape and M are the ones measured fastest there; otherwise they are the built-in choices below,
 picked by M (``GEMV_MAX_M`` / ``TILED_MAX_M``; ``swap_ab`` only from a tuned file or when forced):
 
@@ -77,7 +77,7 @@ from .w4a16_tuning import W4Launch, check_launch, tuned_launch
 
 # ----------------------------------------------------------------------------- crossovers
 # The built-in choices: what runs where no tuned file (w4a16_tuning) covers the GPU and shape.
-# PROVISIONAL: read off one H200 run of bench/kernels.py (bench/results/kernels.json: gemv_us /
+# PROVISIONAL: read off one H200 run of bench/kernels/gpu_kernels.py (bench/results/gpu_kernels.json: gemv_us /
 # tiled_us / dequant_us per shape and M, CUDA-graph timed). GEMV beat tiled at M <= 2 on all 8 Llama
 # shapes; tiled beat dequant+cuBLAS at M=64 on 6 of 8 and at M=128 on 2 of 8. Re-measure on a
 # consumer card (sm_86/89) and whenever a kernel changes.
@@ -121,7 +121,7 @@ class TiledConfig:
 
 
 # BLOCK_N x G = 8K weights per program and step whatever G is (64 per thread at 4 warps). Larger tiles
-# need fewer instructions per weight but more registers and fewer programs: bench/tune_w4a16.py times
+# need fewer instructions per weight but more registers and fewer programs: bench/kernels/tune_w4a16.py times
 # the choices per shape (not yet run on a GPU for the current kernel). At M=1 the tile
 # is twice as tall (16K weights per step): x is converted once per step and reused by twice the rows
 # (sm_90 loop with Triton 3.6, G=128 / 64 / 32: 5.61 / 5.34 / 5.50 -> 4.61 / 4.66 / 4.68 instructions
@@ -154,7 +154,7 @@ DEQUANT_NUM_WARPS = 4
 # to cuBLAS in turn: the whole dense weight at once (235 MB for Llama-3-8B's fused gate/up) would
 # set the engine's activation peak, which on an 8 GiB card is KV cache lost. Slabs of >= 2,048
 # rows keep each GEMM large enough for cuBLAS (unmeasured on a GPU so far: re-check the M >= 1024
-# timings of bench/kernels.py).
+# timings of bench/kernels/gpu_kernels.py).
 DEQUANT_SLAB_BYTES = 32 * 2**20
 REDUCE_BLOCK_N = 1024  # split-K reduction: columns per program
 REDUCE_NUM_WARPS = 4

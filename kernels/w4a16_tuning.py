@@ -2,7 +2,7 @@
 
 The launcher's built-in choices (:data:`w4a16_gemm.GEMV_CONFIGS`, :data:`w4a16_gemm.TILED_CONFIGS`, the
 ``GEMV_MAX_M`` / ``TILED_MAX_M`` crossovers, the split-K heuristic) are one setting per group size for
-every shape and GPU. ``bench/tune_w4a16.py`` times the candidates on a GPU, shape by shape and M by M,
+every shape and GPU. ``bench/kernels/tune_w4a16.py`` times the candidates on a GPU, shape by shape and M by M,
 and writes the winners to ``kernels/configs/w4a16_<device>.json`` (vLLM ships tuned Triton configs per
 device the same way, e.g. its fused-MoE ``configs/``). :func:`tuned_launch` reads that file for the GPU
 it runs on; shapes and GPUs without an entry keep the built-in choices.
@@ -116,7 +116,7 @@ def parse_file(path: Path) -> dict[str, list[tuple[int, W4Launch]]]:
         if not isinstance(entries, dict):
             raise TypeError("'entries' is not an object")
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: not a W4A16 tuned-config file ({e}); regenerate it with bench/tune_w4a16.py "
+        raise ValueError(f"{path}: not a W4A16 tuned-config file ({e}); regenerate it with bench/kernels/tune_w4a16.py "
                          f"or unset {switches.W4A16_CONFIGS_ENV}") from e
     table: dict[str, list[tuple[int, W4Launch]]] = {}
     for key, by_m in entries.items():

@@ -26,7 +26,7 @@ def _import_hub_kernels_first() -> None:
     Whenever the checkout root is on ``sys.path`` (pytest with ``tests`` as a package, ``python -m`` or
     ``python -c`` from the checkout), ``import kernels`` would find the folder, and transformers (>= 5 needs
     the distribution) would fail to read any config with "cannot import name 'CUDAProperties' from 'kernels'";
-    a script run from ``bench/`` has ``bench/kernels.py`` first on the path, the same failure. Imported once
+    a script run from inside ``bench/`` finds the ``bench/kernels/`` package first, the same failure. Imported once
     with every folder of the checkout out of the path, the distribution is what ``sys.modules`` then serves.
     """
     import importlib

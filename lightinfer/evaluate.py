@@ -38,7 +38,7 @@ def _engine_of(llm: Any) -> Any:
     raise AttributeError("LLM object exposes no engine (expected .llm_engine)")
 
 
-DEFAULT_WINDOW = 2048  # the windows of the README's quality table (bench/quality.py)
+DEFAULT_WINDOW = 2048  # the windows of the README's quality table (bench/quality/quant_quality.py)
 
 
 def default_window(model: str) -> int:

@@ -1,4 +1,4 @@
-"""The checkout's ``kernels/`` folder and ``bench/kernels.py`` must not shadow the installed ``kernels``
+"""The checkout's ``kernels/`` folder and the ``bench/kernels/`` package must not shadow the installed ``kernels``
 distribution that transformers (>= 5) imports: a shadowed one fails every config read."""
 
 from __future__ import annotations
@@ -28,4 +28,4 @@ def test_lightinfer_leaves_the_installed_kernels_distribution_importable(cwd: Pa
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     where = Path(out.stdout.strip().splitlines()[-1]).resolve()
-    assert "site-packages" in where.parts, where  # the distribution, not kernels/ or bench/kernels.py
+    assert "site-packages" in where.parts, where  # the distribution, not kernels/ or bench/kernels/

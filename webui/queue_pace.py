@@ -1,7 +1,7 @@
 """How often Gradio's queue looks for new chat events: often while the chat UI is in use, rarely otherwise.
 
 Gradio's queue polls for new events every 1 ms and for progress updates every 10 ms, also when nobody uses the
-UI: 1,100 wake-ups of the server's event loop a second, 3-10% of a core for an idle server (``bench/idle_cpu.py``).
+UI: 1,100 wake-ups of the server's event loop a second, 3-10% of a core for an idle server (``bench/serving/idle_cpu.py``).
 At 50 ms / 100 ms (Gradio's own values on Windows) an idle server still took 1.0% of a core on 2 idle cores
 (2026-12-01). So:
 

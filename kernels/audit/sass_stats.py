@@ -8,7 +8,7 @@ access pattern. This script compiles the launchers' own configurations for an sm
 target without a GPU (``ptxas``, ``cuobjdump`` and ``nvdisasm`` ship in the triton wheel), finds
 the kernel's innermost hot loop in the SASS (the longest backward branch) and counts its
 instructions by opcode. Counts are static: they say how much work one loop iteration is, not how
-long it takes (latency, occupancy and memory stalls need a GPU: ``bench/kernels.py``).
+long it takes (latency, occupancy and memory stalls need a GPU: ``bench/kernels/gpu_kernels.py``).
 
 The compile mimics Triton's run-time specialisation for the Llama shapes: pointers 16-byte
 aligned, strides and sizes divisible by 16, ``M == 1`` folded into a constant (Triton specialises

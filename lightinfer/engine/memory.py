@@ -37,7 +37,7 @@ def graph_reserve_bytes(activation_peak: int) -> int:
 
 # GPU memory outside torch's allocator (CUDA context, cuBLAS and Triton workspaces and modules). The engine
 # measures it at start-up (plan_kv_pool's non_torch_bytes); plans made before there is a GPU to measure
-# (`lightinfer fit`, bench/memory_table.py) assume this figure, typical of a desktop card with no display on it.
+# (`lightinfer fit`, bench/serving/memory_table.py) assume this figure, typical of a desktop card with no display on it.
 NON_TORCH_ESTIMATE = 512 * MIB
 
 

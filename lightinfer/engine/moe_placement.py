@@ -6,7 +6,7 @@ about 16 GiB at 4 bits, 3B parameters active. With ``cpu_experts = N`` the exper
 stay in host memory and run on the CPU (``layers/moe.py``: hidden states cross PCIe twice per such layer, a few
 KiB per token); everything else (attention, routers, the other experts, the KV cache) stays on the GPU. The
 CPU half streams about ``N x top_k x 3 x H x I / 2`` bytes of 4-bit expert weights per token from host memory,
-which bounds its speed (``bench/moe_cpu.py --cpu-half`` measures it).
+which bounds its speed (``bench/kernels/moe_cpu.py --cpu-half`` measures it).
 """
 
 from __future__ import annotations

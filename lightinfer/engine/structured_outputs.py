@@ -74,7 +74,7 @@ class StructuredOutputManager:
         eos_token_ids: the ids that end a completion (the grammar allows them where it may end).
         overlap: fill the bitmask on a worker thread while the forward runs. The engine turns it on for
             CUDA (the forward is asynchronous: the host is idle meanwhile) and leaves it off on CPU, where
-            the forward already uses every core: ``bench/structured_cpu.py`` found no gain there (32 rows:
+            the forward already uses every core: ``bench/structured/structured_cpu.py`` found no gain there (32 rows:
             the fill is ~1 ms of a step of hundreds of ms; the threaded variant measured 0.90x of
             unconstrained against 0.97x inline, within the shared machine's noise).
     """

@@ -3,7 +3,7 @@
 ``uvicorn.Server.main_loop`` sleeps 100 ms between its ticks. A tick refreshes the ``Date`` header (every tenth
 tick, so once a second) and checks whether to exit. An idle ``lightinfer serve`` thus woke its event loop ten
 times a second for nothing: about a third of its idle wake-ups with the chat UI's polls, and every one of them
-without it (``bench/idle_cpu.py``; issue 21 asks for an idle server below 1% of a core). :class:`QuietServer`
+without it (``bench/serving/idle_cpu.py``; issue 21 asks for an idle server below 1% of a core). :class:`QuietServer`
 ticks once a second and refreshes the header on every tick. An exit signal (Ctrl-C, SIGTERM) wakes the loop at
 once, so the server stops as quickly as before. ``limit_max_requests`` and ``callback_notify`` are checked once a
 second, where uvicorn checks them ten times. lightinfer uses neither.

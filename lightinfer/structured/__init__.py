@@ -15,9 +15,9 @@ Tool calls: :func:`detect_tool_call_format` (from the chat template or a ``--too
 :func:`build_tool_call_grammar` (tool_choice "required" / named / "auto", parallel or not) and
 :func:`parse_tool_calls` / :class:`ToolCallStreamParser` to read the calls back.
 
-Grammar library: llguidance, chosen over xgrammar by ``bench/structured_libs.py`` (results in
-``bench/results/structured_libs.md``: a shared, loaded 2-core CPU, both libraries interleaved in
-one run; read the ratios, not the absolute times):
+Grammar library: llguidance, chosen over xgrammar by ``bench/structured_libs.py`` (at commit e1f3011, results in
+its ``bench/results/structured_libs.md``: a shared, loaded 2-core CPU, both libraries interleaved in
+one run; read the ratios, not the absolute times; summed up in ``docs/performance.md``):
 
 * It says what it cannot enforce. Of 20 JSON-Schema keywords probed, llguidance enforces 12 and
   refuses the other 8 at compile time, naming them (uniqueItems, contains, minContains, not,

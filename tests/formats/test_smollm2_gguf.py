@@ -131,7 +131,7 @@ def test_lowbit_cpu_path_perplexity_is_the_exact_paths(smollm2_lowbit_llm, smoll
     """Held-out perplexity of the default CPU path (4-/8-bit weights, bf16 activations between layers) against
     the exact fp32 path on the same weights, 2,048 tokens in 1,024-token windows (a prefill: the 4-bit layers take
     the dense path of cpu_native.w4_linear): measured +0.34% with torch's int4 GEMM (2026-12-06, AVX-512 Xeon),
-    +0.41% with the C product over 4,096 tokens (bench/cpu_w4.py). A wrong scale, offset or layout costs tens of
+    +0.41% with the C product over 4,096 tokens (bench/kernels/cpu_w4.py). A wrong scale, offset or layout costs tens of
     percent."""
     from lightinfer.evaluate import perplexity
 

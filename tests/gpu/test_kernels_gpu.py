@@ -151,7 +151,7 @@ def _deferred_split_k_into_norm_and_silu() -> None:
 
 
 def test_tuned_launches_of_this_gpu_are_correct() -> None:
-    """Every launch in this GPU's kernels/configs/w4a16_<device>.json (bench/tune_w4a16.py) against the
+    """Every launch in this GPU's kernels/configs/w4a16_<device>.json (bench/kernels/tune_w4a16.py) against the
     reference, at its own shape and M, with a bias (the tuner timed without one), for integer zeros (what it
     timed) and fractional ones (the same launch, the exact decode)."""
     from lightinfer.kernels import w4a16_tuning as wt

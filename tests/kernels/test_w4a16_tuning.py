@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -147,12 +145,9 @@ def test_forced_launch_is_checked() -> None:
 
 
 def _tuner():
-    path = Path(__file__).resolve().parents[2] / "bench" / "tune_w4a16.py"
-    spec = importlib.util.spec_from_file_location("bench_tune_w4a16", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    from bench.kernels import tune_w4a16
+
+    return tune_w4a16
 
 
 def test_model_shapes_are_the_engine_layers() -> None:

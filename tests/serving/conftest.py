@@ -109,7 +109,7 @@ def real_server() -> Iterator[LiveServer]:
     kv = os.environ.get("LIGHTINFER_TEST_KV_CACHE_DTYPE") or ("auto" if source == "smollm2-135m-instruct" else "int8")
     # fp32, the exact path these real-model tests were written against: with the CPU's bf16 default SmolLM2
     # writes endless JSON strings under json_object (the grammar allows them; tests/engine/test_cpu_lowbit_engine.py
-    # and bench/format_quality.py cover the bf16 path).
+    # and bench/quality/format_quality.py cover the bf16 path).
     config = EngineConfig(model=source, device="cpu", dtype="float32", max_model_len=1024, kv_cache_dtype=kv,
                           kv_cache_memory_bytes="64MiB", max_num_seqs=48, max_waiting=128)
     engine = AsyncLLMEngine.from_config(config, show_progress=False)  # as `lightinfer serve` loads it

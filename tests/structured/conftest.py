@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import sys
-from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -13,17 +11,14 @@ import torch
 from lightinfer.structured import GrammarBackend, GrammarMatcher, StructuredBatch
 from tests.conftest import smollm2_available
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 SPECIAL = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>"]
 
 
 def load_cases():
-    """bench/structured_cases.py: the schemas, regexes and grammar the library was chosen on."""
-    spec = importlib.util.spec_from_file_location("structured_cases", BENCH / "structured_cases.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    """bench/structured/cases.py: the schemas, regexes and grammar the library was chosen on."""
+    from bench.structured import cases
+
+    return cases
 
 
 def byte_tokenizer(special: list[str] | None = None):

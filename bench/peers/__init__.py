@@ -1,1 +1,0 @@
-"""Helpers of bench/peer_serving.py: peer install, server control, client, /proc sampling, report."""
