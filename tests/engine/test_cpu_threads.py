@@ -280,3 +280,25 @@ def test_a_graph_replays_on_fewer_threads_only() -> None:
     torch.testing.assert_close(graph.replay()[0], want)
     with pytest.raises(ValueError, match="replays on 1 to 2"):
         graph.calls_for(3)
+
+
+def test_the_async_engine_reports_the_count_of_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AsyncLLMEngine.model_info() is read at start, except the thread state, which changes as it serves."""
+    from types import SimpleNamespace
+
+    from lightinfer.engine.async_engine import AsyncLLMEngine
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    m = Machine()
+    threads = CpuThreads("auto", load=m, own_cpu=m.own_cpu, clock=m.clock)
+    front = AsyncLLMEngine.__new__(AsyncLLMEngine)
+    front.engine = SimpleNamespace(model_runner=SimpleNamespace(cpu_threads=threads))
+    front._model_info = {"model": "m", "cpu_threads": threads.info()}
+    assert front.model_info()["cpu_threads"]["others_cores"] is None
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    threads.before_step()
+    m.others = 1.0
+    m.advance(1.0)
+    threads.before_step()
+    assert front.model_info()["cpu_threads"]["others_cores"] == pytest.approx(1.0)
+    assert front.model_info()["model"] == "m"
