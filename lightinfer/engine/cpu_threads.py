@@ -14,8 +14,9 @@ the cores they leave free::
     go up to  cores - ceil(others - raise_below)    threads when that is more, hold_s after the last change
 
 No probing is needed to return: on fewer threads the measurement still sees whether the other cores are in use.
-A process that only uses idle cycles (``nice 19``) takes almost nothing from the engine's threads and is not
-counted as a competitor. The chosen count is applied with ``torch.set_num_threads`` on the engine thread, which
+Every process's time counts, niced ones too: beside an engine on all its cores a ``nice 19`` busy loop gets ~1.5%
+of a core and is not seen, but on a core the engine has given up it takes all the time, and the engine waits for
+it to end before taking the core back. The chosen count is applied with ``torch.set_num_threads`` on the engine thread, which
 both torch's ops and the C ops follow (the replayed decode steps of ``cpu_graph.py`` pass it to their calls).
 
 An explicit thread count (``threads=N``, ``--threads N``) or ``OMP_NUM_THREADS`` keeps the count fixed, as does a
