@@ -83,6 +83,9 @@ _SIGNATURES = {
     "li_w8_linear": (_P, _I, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I),
     "li_argmax_rows": (_P, _I, ctypes.c_long, _P, _I),
 }
+# the ops whose last argument is the thread count (torch.get_num_threads() at the call); work buffers are sized
+# for it, so a recorded call may be repeated with fewer threads, never more (engine/cpu_graph.py)
+THREADED_OPS = frozenset(_SIGNATURES) - {"li_w4_pack", "li_w4_amx_init"}
 
 _lock = threading.Lock()
 _lib: NativeOps | None = None

@@ -138,9 +138,10 @@ class EngineConfig:
         cpu_experts: mixture-of-experts models: keep the experts of the first N MoE layers in host
             memory and compute them on the CPU (hidden states copied to the host and back for those
             layers; no CUDA graphs then). 0 = every expert on the device (engine/moe_placement.py).
-        threads: CPU threads of the engine's torch ops (``torch.set_num_threads``, set when a CPU engine
-            starts); None = ``OMP_NUM_THREADS`` when set, else the cores this process may run on
-            (``os.sched_getaffinity``).
+        threads: CPU threads of a CPU engine's steps (``torch.set_num_threads``; the C ops follow it). A number
+            fixes it. ``"auto"`` (the default; None means the same): ``OMP_NUM_THREADS`` when set, else the cores
+            this process may run on (``os.sched_getaffinity``), fewer while other processes keep some of them
+            busy, measured every quarter second (``engine/cpu_threads.py``).
     """
 
     model: str
@@ -165,7 +166,7 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     embedding_on_host: bool | None = None
     cpu_experts: int = 0
-    threads: int | None = None
+    threads: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.cpu_experts, bool) or not isinstance(self.cpu_experts, int) or self.cpu_experts < 0:
@@ -198,9 +199,12 @@ class EngineConfig:
                 or self.long_prefill_token_threshold < 0):
             raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0: no cap) or None (auto), got "
                              f"{self.long_prefill_token_threshold!r}")
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
-            raise ValueError(f"threads must be a positive number of CPU threads or None (all usable cores), "
-                             f"got {self.threads!r}")
+        if self.threads is None:
+            self.threads = "auto"
+        if self.threads != "auto" and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                       or self.threads < 1):
+            raise ValueError(f"threads must be a positive number of CPU threads or 'auto' (the usable cores, fewer "
+                             f"while other processes keep them busy), got {self.threads!r}")
         self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
         self.max_vram = parse_bytes(self.max_vram)
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:

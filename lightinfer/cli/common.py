@@ -55,10 +55,24 @@ def add_engine_args(p: argparse.ArgumentParser, kv_cache_dtype: str | None = "au
     p.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="N",
                    help="most prompt tokens one request computes per step, so requests behind a long prompt are not "
                         "held for its whole prefill; 0: no cap (default: 512 on a CPU, no cap on a GPU)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for the engine's computation (default: $OMP_NUM_THREADS, else the cores this "
-                        "process may use; on a machine shared with other busy processes 1 avoids threads waiting "
-                        "for each other)")
+    p.add_argument("--threads", type=_threads, default="auto", metavar="N|auto",
+                   help="CPU threads for the engine's computation. auto (default): $OMP_NUM_THREADS when set, else "
+                        "the cores this process may use, fewer while other processes keep some of them busy "
+                        "(measured as it serves, so threads never wait for a core another process holds); a "
+                        "number fixes the count")
+
+
+def _threads(value: str) -> int | str:
+    """``--threads``: ``auto`` or a positive count."""
+    if value == "auto":
+        return value
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of threads or 'auto', got {value!r}")
+    return count
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -72,7 +86,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_memory_bytes": args.kv_cache_memory, "enable_prefix_caching": not args.no_prefix_caching,
         "enforce_eager": args.enforce_eager,
         "cpu_experts": getattr(args, "cpu_experts", 0),
-        "threads": getattr(args, "threads", None),
+        "threads": getattr(args, "threads", "auto"),
         "long_prefill_token_threshold": getattr(args, "long_prefill_token_threshold", None),
         "load_format": "dummy" if getattr(args, "dummy_weights", False) else "auto",
         "quantization": getattr(args, "quantization", None),

@@ -279,8 +279,13 @@ class AsyncLLMEngine:
 
     # ---------------------------------------------------------------- client API (any thread / loop)
     def model_info(self) -> dict[str, Any]:
-        """The engine's ``model_info()``, read once at start (it does not change)."""
-        return dict(self._model_info)
+        """The engine's ``model_info()``, read once at start (it does not change), except a CPU engine's
+        ``cpu_threads``, which is read now (the automatic thread count follows other processes' load)."""
+        info = dict(self._model_info)
+        threads = getattr(getattr(self.engine, "model_runner", None), "cpu_threads", None)
+        if threads is not None:
+            info["cpu_threads"] = threads.info()
+        return info
 
     def get_stats(self) -> EngineStats:
         """The newest ``EngineStats`` snapshot (taken on the engine thread after each step/command)."""

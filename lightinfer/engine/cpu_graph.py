@@ -25,7 +25,9 @@ Sizes are captured exactly (no padding: a padded row costs real work on a CPU) a
 below the rows where a 4-bit product switches to torch's dense GEMM (``cpu_native.dense_rows``), or to the
 largest decode batch where the dense path is a C op too (AMX: ``cpu_native.dense_path_native``). Replays are
 bit-identical to the eager forward: the same C calls with the same arguments, except that decode attention's
-work buffer is sized for the longest context the step's tables can hold. ``enforce_eager`` turns them off.
+work buffer is sized for the longest context the step's tables can hold, and that each call is given the
+step's thread count (``torch.get_num_threads()``, which ``cpu_threads.py`` lowers while other processes hold
+cores; a size recorded on fewer threads than a step has is recorded again). ``enforce_eager`` turns them off.
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ class CpuDecodeGraph:
         bounds: the recording's input limits (``native_record.Recording.bounds``) and the cache's ``block_size``.
         arena: the bytes of every tensor the forward allocated, laid out by lifetime.
         keep: the model's, cache's and runner's tensors the calls point into (kept alive).
+        threads: the most threads any call was given (``cpu_native.THREADED_OPS``' last argument): the work
+            buffers hold that many threads' parts, so a replay may pass fewer, never more.
     """
 
     calls: list[tuple[str, tuple[Any, ...]]]
@@ -84,17 +88,38 @@ class CpuDecodeGraph:
     def __post_init__(self) -> None:
         lib = cpu_native.library()
         assert lib is not None  # a recording needs the library
+        self.threads = max([args[-1] for name, args in self.calls if name in cpu_native.THREADED_OPS], default=1)
         # one C call for all of them where the ops' extension module has li_replay, else a loop over the ops
         self._replay = lib.replay
-        self._packed = cpu_native.pack_calls(self.calls) if lib.replay is not None else None
-        self._bound = [(getattr(lib, name), args) for name, args in self.calls]
+        self._lib = lib
+        self._packed, self._bound = self._prepare(self.calls)
+        self._by_threads: dict[int, tuple[torch.Tensor | None, list[tuple[Any, tuple[Any, ...]]]]] = {}
 
-    def replay(self) -> torch.Tensor:
-        """Repeat the calls on the static buffers' current contents; returns :attr:`output`."""
-        if self._packed is not None:
-            self._replay(self._packed.data_ptr(), len(self.calls))
+    def _prepare(self, calls: list[tuple[str, tuple[Any, ...]]]) -> tuple[torch.Tensor | None,
+                                                                           list[tuple[Any, tuple[Any, ...]]]]:
+        packed = cpu_native.pack_calls(calls) if self._replay is not None else None
+        return packed, [(getattr(self._lib, name), args) for name, args in calls]
+
+    def calls_for(self, threads: int) -> list[tuple[str, tuple[Any, ...]]]:
+        """:attr:`calls` with each thread count capped at ``threads`` (>= 1, at most :attr:`threads`)."""
+        if not 1 <= threads <= self.threads:
+            raise ValueError(f"a graph recorded on {self.threads} threads replays on 1 to {self.threads}, "
+                             f"not {threads}")
+        return [(name, (*args[:-1], min(args[-1], threads)) if name in cpu_native.THREADED_OPS else args)
+                for name, args in self.calls]
+
+    def replay(self, threads: int | None = None) -> torch.Tensor:
+        """Repeat the calls on the static buffers' current contents, on ``threads`` threads (default: as recorded;
+        at most :attr:`threads`); returns :attr:`output`."""
+        packed, bound = self._packed, self._bound
+        if threads is not None and threads != self.threads:
+            if threads not in self._by_threads:
+                self._by_threads[threads] = self._prepare(self.calls_for(threads))
+            packed, bound = self._by_threads[threads]
+        if packed is not None:
+            self._replay(packed.data_ptr(), len(self.calls))
         else:
-            for fn, args in self._bound:
+            for fn, args in bound:
                 fn(*args)
         return self.output
 
@@ -309,10 +334,16 @@ class CpuDecodeGraphRunner(DecodeGraphRunner):
         bs = self.load(step)
         self.num_runs += 1
         graph = self.cpu_graphs.get(bs)
+        threads = torch.get_num_threads()  # the engine's count for this step (cpu_threads.py may change it)
+        if graph is not None and threads > graph.threads:
+            # recorded on fewer threads (while other processes held cores): its work buffers are too small for
+            # more, so this size is recorded again
+            del self.cpu_graphs[bs]
+            graph = None
         if graph is not None:
             if inputs_within(graph.bounds, step):
                 self.num_replays += 1
-                return graph.replay()
+                return graph.replay(threads)
             return self._eager(bs)
         if bs in self.refused:
             return self._eager(bs)

@@ -424,6 +424,9 @@ class LLMEngine:
             "max_model_len": int(self.config.max_model_len),
             "dtype": str(self.config.torch_dtype).replace("torch.", ""),
             "device": str(self.config.torch_device),
+            # a CPU engine's threads: mode ("auto": fewer while other processes keep cores busy; "fixed"), the
+            # count now and at most, other processes' load at the last measurement (engine/cpu_threads.py)
+            "cpu_threads": None if self.model_runner.cpu_threads is None else self.model_runner.cpu_threads.info(),
         }
 
     # ------------------------------------------------------------------ scoring

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
-from lightinfer.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig, usable_cores
+from lightinfer.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from lightinfer.dummy_weights import init_dummy_weights
 from lightinfer.engine.cpu_graph import CpuDecodeGraphRunner
 from lightinfer.engine.cpu_malloc import tune_malloc_for_cpu_inference
+from lightinfer.engine.cpu_threads import CpuThreads
 from lightinfer.engine.cuda_graph import CudaGraphCaptureError, DecodeGraphRunner, graph_batch_sizes
 from lightinfer.engine.kv_groups import KVGroup, kv_groups_of
 from lightinfer.engine.load_progress import LoadProgress
@@ -63,12 +63,11 @@ class ModelRunner:
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
-        if self.device.type == "cpu":
+        # a CPU engine's thread count: fixed, or adapted per step to what other processes leave (cpu_threads.py)
+        self.cpu_threads = CpuThreads(config.threads) if self.device.type == "cpu" else None
+        if self.cpu_threads is not None:
             tune_malloc_for_cpu_inference()  # before the large allocations; see cpu_malloc.py
-            if config.threads or "OMP_NUM_THREADS" not in os.environ:  # else torch already follows that variable
-                # Loading (the weights' CPU preparation) takes every usable core; the steps then run on
-                # `threads`.
-                torch.set_num_threads(max(config.threads or 1, usable_cores()))
+            self.cpu_threads.for_loading()
         else:  # Triton launches and graph capture use the current device, not the tensors'
             torch.cuda.set_device(self.device)
         hf_config = checkpoint.hf_config
@@ -132,8 +131,8 @@ class ModelRunner:
         with progress.phase("allocating the KV cache"):
             self.group_num_blocks = self._num_blocks()
             self._allocate_kv_cache()
-        if self.device.type == "cpu" and config.threads:
-            torch.set_num_threads(config.threads)
+        if self.cpu_threads is not None:
+            self.cpu_threads.for_steps()
         self.graph_runner: DecodeGraphRunner | None = None
         if self._uses_cuda_graphs():
             with progress.phase("capturing the decode CUDA graphs"):
@@ -395,6 +394,8 @@ class ModelRunner:
             one row per computed token instead, on the CPU (computed ``max_num_seqs`` rows at a
             time: a whole chunk's logits, e.g. 2,048 x 128k x 4 bytes, are outside the memory plan).
         """
+        if self.cpu_threads is not None:
+            self.cpu_threads.before_step()
         self.copy_blocks(out.block_copies)
         step = build_step_inputs(out, all_logits, self.config.block_size, len(self.kv_groups))
         try:

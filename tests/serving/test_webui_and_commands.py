@@ -277,7 +277,7 @@ def test_a_server_steps_on_every_core_unless_told(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(llm_engine, "LLMEngine", fake_engine)
     with pytest.raises(Stop):
         commands.run_serve(_parse(["serve", "m", "--no-ui"]))
-    assert seen["threads"] is None  # the engine's default: every usable core (or OMP_NUM_THREADS)
+    assert seen["threads"] == "auto"  # the engine's default: every usable core unless busy (or OMP_NUM_THREADS)
     with pytest.raises(Stop):
         commands.run_serve(_parse(["serve", "m", "--no-ui", "--threads", "2"]))
     assert seen["threads"] == 2
