@@ -34,8 +34,9 @@ demo: $(STAMP)
 	$(VENV)/bin/lightinfer demo
 
 # Kernels run under Triton's CPU interpreter on machines without a GPU. `make test` leaves out the tests
-# marked `audit` (the kernels' machine code compiled for sm_86 / sm_90 through ptxas and checked, the C ops'
-# parity tests again built for AVX2: minutes); `make test-audit` runs just those, `make test-all` both (CI).
+# marked `audit` (the kernels' machine code compiled for sm_86 / sm_90 through ptxas and checked, the GPU
+# tests' checks under the interpreter, the C ops' parity tests again built for AVX2: minutes); `make test-audit`
+# runs just those, `make test-all` both (CI).
 test: $(STAMP) $(ORACLE)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -x --durations=15 -m "not audit" tests
 
