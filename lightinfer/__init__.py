@@ -37,7 +37,10 @@ def _import_hub_kernels_first() -> None:
 
     def is_root(entry: str) -> bool:  # the checkout or a folder of it, not the environment's site-packages
         path = _os.path.abspath(entry or _os.curdir)
-        return (path == _root or path.startswith(_root + _os.sep)) and not path.startswith(env)
+        # isdir: an editable install's path-hook marker ("__editable__....__path_hook__") is no folder, though
+        # abspath would place it in the current directory
+        return ((path == _root or path.startswith(_root + _os.sep)) and not path.startswith(env)
+                and _os.path.isdir(path))
 
     if "kernels" in sys.modules or not any(is_root(p) for p in sys.path):
         return
@@ -55,14 +58,39 @@ def _import_hub_kernels_first() -> None:
 if __path__[-1] == _root:  # type: ignore[name-defined]  # a source checkout
     _import_hub_kernels_first()
 
-from lightinfer.llm import LLM, pipeline
-from lightinfer.outputs import CompletionOutput, RequestOutput
-from lightinfer.sampling_params import SamplingParams
-from lightinfer.structured import StructuredOutputs
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lightinfer.llm import LLM, pipeline
+    from lightinfer.outputs import CompletionOutput, RequestOutput
+    from lightinfer.sampling_params import SamplingParams
+    from lightinfer.structured import StructuredOutputs
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputs", "fit", "pipeline",
            "quantize"]
 __version__ = "0.1.0"
+
+# The public names are imported on first use (PEP 562): `import lightinfer` alone, as `lightinfer --help`
+# and `--version` do, then costs no torch/transformers import (seconds).
+_LAZY = {"LLM": "lightinfer.llm", "pipeline": "lightinfer.llm", "CompletionOutput": "lightinfer.outputs",
+         "RequestOutput": "lightinfer.outputs", "SamplingParams": "lightinfer.sampling_params",
+         "StructuredOutputs": "lightinfer.structured"}
+
+
+def __getattr__(name: str) -> object:
+    """``lightinfer.LLM`` etc.: import the defining module on first access (then cached as a global)."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightinfer' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def quantize(src: str, out: str, config: object = None, **kwargs: object) -> object:

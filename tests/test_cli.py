@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+import lightinfer.llm  # noqa: F401  -- torch & co. once here: the timing below is the command's, not their import's
 from lightinfer.cli import main
 
 
@@ -73,3 +74,44 @@ def test_a_reader_that_goes_away_ends_the_output_quietly() -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_version_prints_the_installed_version(capsys) -> None:
+    from importlib.metadata import version
+
+    import lightinfer
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"lightinfer {version('lightinfer')}\n"
+    assert lightinfer.__version__ == version("lightinfer")  # pyproject.toml and the package agree
+
+
+def test_help_and_version_import_no_heavy_module() -> None:
+    """``lightinfer --help`` took ~3 s: the package and the subcommand modules imported torch, transformers and
+    the engine before parsing. Now the commands import them when they run; checked in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from lightinfer.cli import build_parser\n"
+            "parser = build_parser()\n"
+            "for argv in (['--help'], ['--version'], ['serve', '--help'], ['generate', '--help']):\n"
+            "    try:\n"
+            "        parser.parse_args(argv)\n"
+            "    except SystemExit:\n"
+            "        pass\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'gradio', 'numpy', 'lightinfer.llm') "
+            "if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_the_package_still_exports_its_api_lazily() -> None:
+    import lightinfer
+
+    assert lightinfer.SamplingParams.__module__ == "lightinfer.sampling_params"
+    assert {"LLM", "pipeline", "StructuredOutputs"} <= set(dir(lightinfer))
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        lightinfer.nope  # noqa: B018

@@ -73,6 +73,21 @@ def initial_sampling(recommended: dict[str, float]) -> dict[str, float]:
     return out
 
 
+class ChatInterface(gr.ChatInterface):
+    """``gr.ChatInterface`` whose message box keeps its placeholder ("Type a message...") after the first message.
+
+    Gradio's own clears the box on submit with ``placeholder=""`` (to hide it while the box is disabled) and
+    never restores it, so from the second turn on the box was an unlabelled blank; here the clearing
+    update leaves the placeholder as it is.
+    """
+
+    def _clear_and_save_textbox(self, message: Any) -> tuple[Any, Any]:
+        return type(self.textbox)("", interactive=False), message
+
+
+API_LINK = "OpenAI-compatible at `/v1` · [Use via API](docs) (its routes and schema, at `/docs`)"
+
+
 def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinfer") -> gr.Blocks:
     """The chat UI bound to ``engine``; mount it with ``gr.mount_gradio_app`` (see ``server.py``).
 
@@ -171,8 +186,11 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
                 gr.Code(value="", language="json", label="JSON schema (the reply must match it; empty = free text)",
                         lines=4, render=False),
             ]
-            chat = gr.ChatInterface(
+            # Send and Stop as words, not bare icons: a screen reader (and `get_by_role("button", name="Stop")`)
+            # then finds them by name; Gradio's icon buttons have no accessible label.
+            chat = ChatInterface(
                 respond, chatbot=gr.Chatbot(label="Chat", height=480, render=False),
+                submit_btn="Send", stop_btn="Stop",
                 additional_inputs=[system, *sampling],
                 additional_inputs_accordion=gr.Accordion("Sampling", open=False, render=False),
                 concurrency_limit=None, autofocus=True, fill_height=False,
@@ -185,6 +203,8 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
             gr.Markdown(model_panel(info))
             gr.Markdown("### Engine")
             live = gr.Markdown(engine_panel(engine))
+            gr.Markdown("### API")
+            gr.Markdown(API_LINK, elem_id="api-link")
             gr.Timer(2.0).tick(lambda: engine_panel(engine), None, live, queue=False,
                                api_visibility="undocumented", show_progress="hidden")
     demo.queue(max_size=max_queue, default_concurrency_limit=None)  # its poll: queue_pace.py (server.py)

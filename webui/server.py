@@ -5,7 +5,8 @@ The UI sits above the API in the import order, so the composition lives here, on
 
 Who may use what (the README's "Security" section says the same):
 
-* ``api_key`` guards everything but ``/health``. The API routes (``/v1``, ``/metrics``, ``/stats``) take
+* ``api_key`` guards everything but ``/health`` and the API's description (``/openapi.json``, ``/docs``,
+  ``/redoc``: routes and fields, nothing of the server's state). The API routes (``/v1``, ``/metrics``, ``/stats``) take
   it as ``Authorization: Bearer``; the chat UI, whose page and routes (``/gradio_api/...``, the ones
   that generate included) a browser cannot send a header to, asks for it on its login page instead
   (any user name, the key as password) unless ``ui_auth`` gives it a user and password of its own.
@@ -94,8 +95,10 @@ def build_app(
                         max_request_bytes=max_request_bytes, tool_call_parser=tool_call_parser)
     blocks = build_ui(engine, max_queue=ui_max_queue or engine.max_waiting)
     auth, auth_message = ui_login(api_key, ui_auth)
+    # No Gradio footer: its "Use via API" opened Gradio's page for its own routes; the UI's API link (webui/app.py)
+    # points at /docs, the /v1 API's schema.
     gr.mount_gradio_app(app, blocks, path="/", auth=auth, auth_message=auth_message, ssr_mode=False,
-                        footer_links=["api"], run_history=False, show_error=True)
+                        footer_links=[], run_history=False, show_error=True)
     app.add_middleware(RefuseUploads)
     if (pace := QueuePace.of(blocks)) is not None:  # Gradio's queue polls often only while the UI is in use
         app.add_middleware(UIActivity, pace=pace)

@@ -13,8 +13,35 @@ import os
 import sys
 
 
+def package_version() -> str:
+    """The installed distribution's version (``importlib.metadata``), else the package's ``__version__``
+    (a checkout run without installing)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lightinfer")
+    except PackageNotFoundError:
+        from lightinfer import __version__
+
+        return __version__
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: print ``lightinfer X.Y.Z`` and exit 0. The version is looked up only when the flag is
+    given, so building the parser (every ``--help``) does not read the installed metadata."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        print(f"lightinfer {package_version()}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every subcommand."""
+    """The argument parser of every subcommand. Subcommand modules import torch, transformers, gradio and
+    the engine only inside their command functions, so ``--help`` and ``--version`` answer at once."""
     from lightinfer.cli import chat, fit, generate, quantize, serve
     from lightinfer.cli.common import HelpFormatter
 
@@ -22,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lightinfer", formatter_class=HelpFormatter,
         description="lightinfer: quantization-first LLM inference. `lightinfer COMMAND --help` lists a command's flags.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-V", "--version", action=_VersionAction, help="print lightinfer's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate.register(sub)
     chat.register(sub)

@@ -139,7 +139,8 @@ def run_serve(args: argparse.Namespace) -> int:
     shown = f"[{args.host}]" if ":" in args.host else args.host
     ui_line = "" if args.no_ui else f"  chat UI:     http://{shown}:{args.port}/\n"
     print(f"\nlightinfer is serving {engine.model_info()['model']}\n{ui_line}"
-          f"  OpenAI API:  http://{shown}:{args.port}/v1   (metrics: /metrics, stats: /stats, health: /health)\n"
+          f"  OpenAI API:  http://{shown}:{args.port}/v1   (docs: /docs, metrics: /metrics, stats: /stats, "
+          f"health: /health)\n"
           + access_summary(args.host, args.api_key is not None, ui_auth, args.no_ui)
           + "\n  Ctrl-C stops it.\n", flush=True)
     run_server(app, args.host, args.port, log_level=args.log_level, limits=limits)
@@ -164,7 +165,7 @@ def access_summary(host: str, has_api_key: bool, ui_auth: tuple[str, str] | None
     return (f"  access ({who}):\n"
             f"    /v1, /metrics, /stats: {api}\n"
             f"    chat UI:               {ui}\n"
-            f"    /health:               open;  uploads: off")
+            f"    /health, /docs:        open;  uploads: off")
 def _import_in_background(module: str) -> None:
     """Import ``module`` on a daemon thread. The engine's load spends much of its time in torch kernels that
     release the GIL, where this thread's Python runs on the other core; a later ``import`` of the module in

@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lightinfer.engine.async_engine import AsyncLLMEngine
@@ -51,6 +53,10 @@ async def run_until_disconnect(request: Request, work: Any, request_ids: list[st
         watcher.cancel()
 
 
+# Declared through HTTPBearer so that the OpenAPI schema (/docs) says the routes take a Bearer key and offers to
+# send one; the check itself is has_api_key's constant-time comparison.
+BearerKey = Annotated[HTTPAuthorizationCredentials | None,
+                      Depends(HTTPBearer(auto_error=False, description="the server's API key (--api-key)"))]
 INVALID_KEY_MESSAGE = "Incorrect API key provided: send 'Authorization: Bearer <key>'"
 
 
@@ -69,15 +75,20 @@ def _register_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.get("/models", response_model=P.ModelList)
     async def list_models() -> P.ModelList:
+        """The served model (one), with its context length (``max_model_len``)."""
         return P.ModelList(data=[P.ModelCard(id=serving.model_name, max_model_len=serving.max_model_len)])
 
     @app.get("/models/{model_id:path}", response_model=P.ModelCard)
     async def get_model(model_id: str) -> P.ModelCard:
+        """The served model when ``model_id`` names it, else 404 ``model_not_found``."""
         serving.check_model(model_id)
         return P.ModelCard(id=serving.model_name, max_model_len=serving.max_model_len)
 
     @app.post("/chat/completions", response_model=None)
     async def chat_completions(req: P.ChatCompletionRequest, raw: Request) -> Response:
+        """OpenAI's Chat Completions, through the model's chat template: ``stream`` (server-sent events),
+        ``n``, ``seed``, ``stop``, logprobs, ``response_format`` (JSON schemas), ``tools``, and vLLM's
+        sampling extras (``top_k``, ``min_p``, ``repetition_penalty``...)."""
         serving.check_model(req.model)
         top = (req.top_logprobs or 0) if req.logprobs else None
         request, calling = await serving.prepare_chat(req, top)
@@ -92,6 +103,8 @@ def _register_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.post("/completions", response_model=None)
     async def completions(req: P.CompletionRequest, raw: Request) -> Response:
+        """OpenAI's legacy Completions: raw prompts (text, token ids, or lists of either), ``echo``,
+        ``stream``, ``n``, logprobs, and the same sampling fields as chat."""
         serving.check_model(req.model)
         requests, echo = await serving.prepare_completion(req)
         subs = await serving.submit(requests)
@@ -106,6 +119,29 @@ def _register_routes(app: FastAPI, serving: OpenAIServing) -> None:
                                           [r for r, _ in subs], engine)
 
 
+def api_routes(app: FastAPI, prefix: str = "") -> list[tuple[str, str]]:
+    """``(method, path)`` of every route of ``app`` (the ``/v1`` app), paths under ``prefix``, in the order
+    registered; path parameters as OpenAPI writes them (``/v1/models/{model_id}``)."""
+    return [(method, prefix + route.path_format) for route in app.routes if isinstance(route, APIRoute)
+            for method in sorted(route.methods - {"HEAD"})]
+
+
+def unknown_route_error(app: FastAPI, request: Request, exc: StarletteHTTPException,
+                        prefix: str | None = None) -> OpenAIError:
+    """The 404 (no such route) or 405 (the route takes another method) of a request to the ``/v1`` app, worded
+    as OpenAI words it ("Invalid URL (GET /v1/x)"); the 404 lists the routes there are, so that a client pointed
+    at a wrong path (``/v1/chat/completion``, ``/v1/v1/...``) learns the right one. ``prefix``: where ``app``
+    is mounted (default: the request's ``root_path``, which is that when the request reached ``app``)."""
+    path = request.url.path
+    if exc.status_code == 405:
+        allowed = " or ".join(m for m in (exc.headers or {}).get("Allow", "").split(", ") if m and m != "HEAD")
+        return OpenAIError(405, f"Invalid method for URL ({request.method} {path}): use {allowed}")
+    prefix = request.scope.get("root_path", "") if prefix is None else prefix
+    listed = ", ".join(f"{m} {p}" for m, p in api_routes(app, prefix))
+    return OpenAIError(404, f"Invalid URL ({request.method} {path}). The API's routes: {listed}; their schema is "
+                            "/openapi.json, browsable at /docs")
+
+
 def create_openai_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
                       tool_call_parser: str | None = None) -> FastAPI:
     """The ``/v1`` sub-application. ``api_key``: when set, every route needs ``Authorization: Bearer <key>``.
@@ -115,12 +151,13 @@ def create_openai_app(engine: AsyncLLMEngine, served_model_name: str, api_key: s
         ValueError: the engine has no tokenizer, or an unknown tool_call_parser (see :class:`OpenAIServing`).
     """
 
-    async def verify_key(request: Request) -> None:
+    async def verify_key(request: Request, _: BearerKey) -> None:
         if not has_api_key(request, api_key):
             raise OpenAIError(401, INVALID_KEY_MESSAGE, code="invalid_api_key")
 
     serving = OpenAIServing(engine, served_model_name, tool_call_parser)
-    app = FastAPI(title="lightinfer OpenAI-compatible API", dependencies=[Depends(verify_key)],
+    # Its schema is served, with the routes around it, at /openapi.json and /docs (entrypoints/server.py).
+    app = FastAPI(title="lightinfer OpenAI-compatible API", dependencies=[Depends(verify_key)] if api_key else [],
                   docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(OpenAIError)
@@ -132,12 +169,16 @@ def create_openai_app(engine: AsyncLLMEngine, served_model_name: str, api_key: s
         return validation_error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code in (404, 405):  # no route raises these itself: the router found no route (or method)
+            response = error_response(unknown_route_error(app, request, exc))
+            if exc.headers and "Allow" in exc.headers:  # a 405 says which methods the route takes (RFC 9110)
+                response.headers["Allow"] = exc.headers["Allow"]
+            return response
         detail = str(exc.detail)
         if exc.status_code == 400 and detail == "There was an error parsing the body":  # FastAPI's, e.g. not UTF-8
             detail = "the request body could not be read as JSON (is it UTF-8 encoded?); send a UTF-8 JSON object"
-        return error_response(OpenAIError(exc.status_code, detail, kind))
+        return error_response(OpenAIError(exc.status_code, detail))
 
     _register_routes(app, serving)
     return app

@@ -1,10 +1,12 @@
-"""The HTTP server's app: the OpenAI API at ``/v1``, ``/health``, ``/metrics``, ``/stats``.
+"""The HTTP server's app: the OpenAI API at ``/v1``, ``/health``, ``/metrics``, ``/stats``, and their OpenAPI
+schema at ``/openapi.json`` (browsable at ``/docs`` and ``/redoc``).
 
 Everything shares one ``AsyncLLMEngine`` (one engine loop, one continuous batch). The chat UI is
 mounted at ``/`` by the layer above (``lightinfer.webui.server.build_app``), so the API never
-depends on the UI. Security defaults: bind 127.0.0.1; ``api_key`` guards every route but ``/health``
-(``/v1``, ``/metrics``, ``/stats``: Bearer; the UI: its login, see ``webui/server.py``); request bodies
-are capped; prompts and replies are logged only at DEBUG level.
+depends on the UI. Security defaults: bind 127.0.0.1; ``api_key`` guards every route but ``/health`` and
+the schema pages (``/v1``, ``/metrics``, ``/stats``: Bearer; the UI: its login, see ``webui/server.py``); request
+bodies are capped; prompts and replies are logged only at DEBUG level. A wrong path under ``/v1`` gets OpenAI's
+404 ("Invalid URL (GET /v1/x)") listing the routes there are.
 
 ``/stats`` is the engine's counters as JSON (running / waiting requests, KV blocks free and in use,
 preemptions, prefix-cache hits, batch sizes, token totals): what the UI's engine panel shows, for
@@ -21,12 +23,19 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lightinfer.engine.async_engine import AsyncLLMEngine
 from lightinfer.entrypoints.http_limits import HTTPLimits, uvicorn_config
 from lightinfer.entrypoints.metrics import ServingMetrics
-from lightinfer.entrypoints.openai_api import INVALID_KEY_MESSAGE, create_openai_app, has_api_key
+from lightinfer.entrypoints.openai_api import (
+    INVALID_KEY_MESSAGE,
+    create_openai_app,
+    has_api_key,
+    unknown_route_error,
+)
+from lightinfer.entrypoints.openai_errors import error_response
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 32k-token chat is ~150 KB of JSON: 4 MiB is generous
@@ -111,7 +120,10 @@ def build_api_app(
         yield
         engine.shutdown()
 
-    app = FastAPI(title="lightinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json, /docs and /redoc describe this app's routes and the /v1 app's (openapi_schema below);
+    # they are matched before the chat UI mounted at "/", whose own schema would describe Gradio's routes.
+    app = FastAPI(title="lightinfer", lifespan=lifespan, docs_url="/docs", redoc_url="/redoc",
+                  openapi_url="/openapi.json")
     app.state.engine, app.state.metrics = engine, metrics
 
     @app.get("/health")
@@ -141,9 +153,53 @@ def build_api_app(
         return Response(json.dumps(vars(engine.get_stats())), media_type="application/json")
 
     # Routes above and /v1 are matched before a catch-all mount at "/" added later (the chat UI).
-    app.mount("/v1", create_openai_app(engine, name, api_key, tool_call_parser))
+    v1 = create_openai_app(engine, name, api_key, tool_call_parser)
+
+    @app.api_route("/v1", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+    async def v1_root(request: Request) -> Response:
+        """``/v1`` itself (no route there): the /v1 app's 404, listing its routes. Without this route a UI
+        mounted at "/" would answer it, in its own words."""
+        return error_response(unknown_route_error(v1, request, StarletteHTTPException(404), prefix="/v1"))
+
+    app.mount("/v1", v1)
+    app.openapi = lambda: openapi_schema(app, {"/v1": v1})  # type: ignore[method-assign]
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
     return app
+
+
+def openapi_schema(app: FastAPI, mounts: dict[str, FastAPI]) -> dict[str, Any]:
+    """The OpenAPI schema of ``app``'s own routes and those of the FastAPI apps mounted in it at the paths
+    of ``mounts`` (FastAPI's schema leaves mounted apps out), built once and cached on ``app``.
+
+    The mounted apps' paths come first, under their mount path (``/v1/chat/completions``), tagged with it;
+    their components (request and response models, the Bearer scheme) join ``app``'s.
+    """
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    from importlib.metadata import PackageNotFoundError, version
+
+    from fastapi.openapi.utils import get_openapi
+
+    try:
+        __version__ = version("lightinfer")
+    except PackageNotFoundError:  # a checkout run without installing
+        __version__ = "unknown"
+    schema = get_openapi(
+        title="lightinfer", version=__version__, routes=app.routes,
+        description="lightinfer's OpenAI-compatible API under /v1 (any OpenAI client works with "
+                    "base_url=http://HOST:PORT/v1) and the server's /health, /metrics and /stats.")
+    paths: dict[str, Any] = {}
+    for prefix, sub in mounts.items():
+        part = get_openapi(title=sub.title, version=__version__, routes=sub.routes)
+        for path, item in part.get("paths", {}).items():
+            paths[prefix + path] = {method: {**op, "tags": [prefix]} for method, op in item.items()}
+        for kind, entries in part.get("components", {}).items():
+            schema.setdefault("components", {}).setdefault(kind, {}).update(entries)
+    for path, item in schema.get("paths", {}).items():
+        paths[path] = {method: {**op, "tags": ["server"]} for method, op in item.items()}
+    schema["paths"] = paths
+    app.openapi_schema = schema
+    return schema
 
 
 def run_server(app: FastAPI, host: str, port: int, log_level: str = "info", limits: HTTPLimits | None = None,

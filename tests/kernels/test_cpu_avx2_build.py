@@ -24,6 +24,7 @@ PARITY_TESTS = ["test_cpu_native.py", "test_cpu_w4.py", "test_cpu_w4a8.py", "tes
                 "test_cpu_fused.py"]
 
 
+@pytest.mark.audit  # the six parity files again, for another build target: `make test-audit`, not `make test`
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="an x86 target")
 @pytest.mark.skipif(cpu_native.find_compiler() is None, reason="no C compiler")
 def test_the_parity_tests_pass_with_the_ops_built_for_avx2() -> None:

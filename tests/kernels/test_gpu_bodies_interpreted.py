@@ -22,6 +22,10 @@ from tests.gpu.test_new_kernels_gpu import (
     prefill_chunks,
 )
 
+# An audit of the GPU file's own code (the kernels' behaviour is tested elsewhere, see above), about a minute of
+# interpreted attention on 2 cores: `make test-audit` / `make test-all`, not `make test`
+pytestmark = pytest.mark.audit
+
 # The interpreter's bf16 dot runs upcast (launch_utils.upcast_dot), fp16 like the GPU's: the GPU tolerances hold
 W8_TOL = {torch.float16: 3e-3, torch.bfloat16: 1e-2}
 ATTN_TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}

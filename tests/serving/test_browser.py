@@ -130,9 +130,7 @@ def test_long_conversation_trimmed_with_notice(browser: Any, fake_server: LiveSe
     """Fake engine (512-token context): the third long turn drops the oldest ones, visibly, no crash."""
     page = _open(browser, fake_server.url, temperature=None, max_new_tokens="150", api_key="test-key")
     for i in range(3):
-        box = page.get_by_test_id("textbox").last  # the placeholder is gone after the first turn
-        box.fill(f"message {i} " + "blah " * 20)
-        box.press("Enter")
+        _send(page, f"message {i} " + "blah " * 20)
         _wait_for(lambda i=i: sum("tokens/s" in t for t in _bot_texts(page)) > i, 30, f"reply {i}")
     assert "oldest messages were left out" in "\n".join(_bot_texts(page))
     page.context.close()
@@ -240,3 +238,24 @@ def test_bad_input_in_the_ui_is_a_message_not_a_traceback(browser: Any, slow_ser
     page.context.close()
     captured = capfd.readouterr()
     assert "Traceback" not in captured.err + captured.out
+
+
+def test_the_box_keeps_its_placeholder_and_the_buttons_have_names(browser: Any, slow_server: LiveServer) -> None:
+    """Issue 44 item 8: the message box lost its placeholder after the first message (Gradio cleared it), and Send
+    and Stop were bare icons with no accessible name. Item 6: the UI's "Use via API" link opened Gradio's page for
+    its own routes; it now leads to /docs, the /v1 API's schema."""
+    page = _open(browser, slow_server.url, temperature=None, max_new_tokens="300")
+    assert page.get_by_role("button", name="Send").is_visible()
+    _send(page, "tell me everything")
+    _wait_streaming(page, 0)
+    page.get_by_role("button", name="Stop").click()
+    _wait_for(lambda: any(t.startswith("stopped · ") for t in _bot_texts(page)), 10, "the stopped mark")
+    page.get_by_role("button", name="Send").wait_for(timeout=10_000)
+    assert page.get_by_placeholder("Type a message...").count() == 1  # still there after the first message
+    _send(page, "and now?")  # found by its placeholder again
+    _wait_for(lambda: page.get_by_test_id("user").count() == 2, 10, "the second message")
+    link = page.get_by_role("link", name="Use via API")
+    assert link.evaluate("a => a.href") == f"{slow_server.url}/docs"
+    assert httpx.get(f"{slow_server.url}/docs", timeout=10).status_code == 200
+    assert page.locator("footer").count() == 0  # no Gradio footer (its link led to Gradio's own API page)
+    page.context.close()

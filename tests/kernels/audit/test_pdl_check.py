@@ -13,6 +13,7 @@ import sys
 import pytest
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.audit  # minutes of ptxas compiles: `make test-audit` / `make test-all`, not `make test`
 
 
 def test_every_kernel_waits_before_touching_memory() -> None:

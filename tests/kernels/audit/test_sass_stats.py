@@ -17,6 +17,7 @@ import sys
 import pytest
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.audit  # minutes of ptxas compiles: `make test-audit` / `make test-all`, not `make test`
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import sys
 import pytest
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.audit  # minutes of ptxas compiles: `make test-audit` / `make test-all`, not `make test`
 
 
 def test_all_configs_fit_sm86_shared_memory() -> None:
