@@ -311,8 +311,9 @@ def _scratch_buffer(numel: int) -> torch.Tensor:
 def rope_store(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
                cos_cache: torch.Tensor, sin_cache: torch.Tensor, kv: PagedKV,
                slot_mapping: torch.Tensor) -> torch.Tensor | None:
-    """``cpu_fused.rope_store_kvcache`` for whole-head rotation: q ``[T, H, D]`` returned, k and v stored.
-    None where it does not apply (partial rotary, fp16, non-int64 positions or slots, a strided input)."""
+    """``cpu_fused.rope_store_kvcache``: q ``[T, H, D]`` returned, k and v stored; the first
+    ``R = 2 * cos_cache.shape[-1]`` dims of each head rotate (``R < D``: partial rotation), the others pass.
+    None where it does not apply (fp16, non-int64 positions or slots, a strided input)."""
     lib = library()
     if lib is None:
         return None
@@ -320,8 +321,9 @@ def rope_store(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_k
     d = kv.head_dim
     if dt is None:
         return _decline("rope_store", f"{qkv.dtype} activations")
-    if cos_cache.shape[-1] * 2 != d:
-        return _decline("rope_store", f"partial rotary ({cos_cache.shape[-1] * 2} of {d} dims rotated)")
+    rot = cos_cache.shape[-1] * 2
+    if cos_cache.dim() != 2 or rot > d or sin_cache.shape != cos_cache.shape:
+        return _decline("rope_store", f"RoPE tables of {tuple(cos_cache.shape)} for heads of {d} dims")
     if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.requires_grad or \
             qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d or num_kv_heads != kv.num_kv_heads:
         return _decline("rope_store", "a qkv that is not one row of whole heads per token")
@@ -341,7 +343,7 @@ def rope_store(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_k
     _bound("positions", cos_cache.shape[0])
     _bound("slots", limit)
     q = torch.empty(t, num_heads, d, dtype=qkv.dtype)
-    _call(lib, "li_rope_store", qkv.data_ptr(), dt, t, qkv.stride(0), num_heads, positions.data_ptr(),
+    _call(lib, "li_rope_store", qkv.data_ptr(), dt, t, qkv.stride(0), num_heads, rot, positions.data_ptr(),
           cos_cache.data_ptr(), sin_cache.data_ptr(), slot_mapping.data_ptr(), ctypes.addressof(desc), q.data_ptr(),
           _threads())
     return q

@@ -45,7 +45,7 @@ SIGNATURES: dict[str, tuple[type, ...]] = {
     "li_add_rms_norm": (_P, _P, _P, _P, _I, _P, _I, _I, _F, _I, _I),
     "li_qk_norm": (_P, _I, _I, _L, _I, _I, _I, _P, _P, _I, _F, _I),
     "li_silu_mul": (_P, _P, _I, _I, _I, _I),
-    "li_rope_store": (_P, _I, _I, _I, _I, _P, _P, _P, _P, _KV, _P, _I),
+    "li_rope_store": (_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _KV, _P, _I),
     "li_attend_decode": (_P, _I, _I, _I, _F, _P, _I, _P, _KV, _P, _P, _I, _I),
     "li_w4_pack": (_P, _P, _L, _I),
     "li_w4a16_linear": (_P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, _I),

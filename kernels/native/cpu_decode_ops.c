@@ -165,16 +165,18 @@ static void quantize_row(const float* x, int d, int8_t* q, uint16_t* scale_out, 
     *zero_out = z16;
 }
 
-/* qkv [T, row_stride] (q | k | v heads, dtype dt), positions int64 [T], cos/sin fp32 [max_pos, D / 2], with
- * Hkv = kv->num_kv_heads and D = kv->head_dim. Writes q_out [T, H, D] (dtype dt, rotated), and k (rotated, rounded
- * to dt) and v at slots int64 [T] (-1: skipped) of the cache kv (an INT8 one also gets its fp16 scales / zeros). */
-void li_rope_store(const void* qkv, int dt, int T, int row_stride, int H, const int64_t* positions,
+/* qkv [T, row_stride] (q | k | v heads, dtype dt), positions int64 [T], cos/sin fp32 [max_pos, R / 2], with
+ * Hkv = kv->num_kv_heads and D = kv->head_dim; the first R (even, <= D) dims of each q and k head rotate, the
+ * others pass unchanged (partial rotation: Phi-3's partial_rotary_factor). Writes q_out [T, H, D] (dtype dt),
+ * and k (rounded to dt) and v at slots int64 [T] (-1: skipped) of the cache kv (an INT8 one also gets its fp16
+ * scales / zeros). */
+void li_rope_store(const void* qkv, int dt, int T, int row_stride, int H, int R, const int64_t* positions,
                    const float* cos_cache, const float* sin_cache, const int64_t* slots, const li_kv_cache* kv,
                    void* q_out, int nthreads) {
     const int Hkv = kv->num_kv_heads, D = kv->head_dim, cdt = kv->dtype;
     void *k_cache = kv->k, *v_cache = kv->v;
     uint16_t *k_scale = kv->k_scale, *k_zero = kv->k_zero, *v_scale = kv->v_scale, *v_zero = kv->v_zero;
-    const int half = D / 2;
+    const int half = R / 2;
     /* tokens in parallel for a prefill (each writes its own q rows and cache slots); one decode token alone */
     int threads = (long)T * (H + 2 * Hkv) * D < PARALLEL_MIN || nthreads < 1 ? 1 : nthreads;
     (void)threads; /* only the OpenMP pragma reads it */
@@ -187,13 +189,14 @@ void li_rope_store(const void* qkv, int dt, int T, int row_stride, int H, const 
         for (int hh = 0; hh < H + 2 * Hkv; hh++) {
             float x[D], y[D];
             to_f32(qkv, dt, row + (size_t)hh * D, D, x);
-            if (hh < H + Hkv) { /* q or k: x * [cos, cos] + roll(x, D/2) * [-sin, sin], rounded to dt */
+            if (hh < H + Hkv) { /* q or k: x * [cos, cos] + roll(x, R/2) * [-sin, sin] on R dims, rounded to dt */
                 for (int i = 0; i < half; i++) {
                     float a = x[i] * c[i], b = x[i + half] * -s[i];
                     y[i] = a + b;
                     float a2 = x[i + half] * c[i], b2 = x[i] * s[i];
                     y[i + half] = a2 + b2;
                 }
+                memcpy(y + R, x + R, sizeof(float) * (D - R)); /* the dims that do not rotate */
                 round_to(dt, D, y);
             } else {
                 memcpy(y, x, sizeof(float) * D);
