@@ -383,6 +383,7 @@ def quant_linear(x: torch.Tensor, weight: CpuQuantWeight | CpuW4Weight, bias: to
         if x2.dtype not in (torch.float32, torch.bfloat16):
             x2 = x2.to(torch.float32)
         if bias is not None and bias.dtype != torch.float32:
+            cpu_native.declined("w4_linear", f"a {bias.dtype} bias, converted to fp32 at each call")
             bias = bias.to(torch.float32)
         y = cpu_native.w4_linear(x2, weight.packed, weight.dm, weight.group_size, bias,
                                  out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32,

@@ -268,6 +268,8 @@ def fused_moe(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, topk_weigh
         ``[T, H]`` in ``x.dtype``.
     """
     t, h, _ = check_moe_args(x, w13, w2, topk_weights, topk_ids)
+    # a recorded decode step repeats fixed calls; which experts run on which rows is chosen here, per step
+    cpu_native.declined("fused_moe", "the experts' calls depend on each step's routing")
     gate_up, down = prepared_for(w13, x.dtype), prepared_for(w2, x.dtype)
     top_k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1).to(torch.int64)

@@ -34,6 +34,18 @@ _KINDS = {ctypes.c_void_p: ("p", "void*"), ctypes.c_int: ("i", "int"), ctypes.c_
 _PACK = {"p": "=Q", "l": "=q", "i": "=i4x", "f": "=f4x"}
 
 
+def _kind(t: type) -> tuple[str, str]:
+    """``(packed kind, C type)`` of a ctypes argument type (a subclass, such as a typed pointer, as its base).
+
+    Raises:
+        KeyError: a type outside ``c_void_p``, ``c_int``, ``c_long``, ``c_float`` and their subclasses.
+    """
+    for base in t.__mro__:
+        if base in _KINDS:
+            return _KINDS[base]
+    raise KeyError(t)
+
+
 def max_args(signatures: dict[str, tuple[type, ...]]) -> int:
     """The most arguments any op of ``signatures`` takes: a packed call's argument slots."""
     return max((len(a) for a in signatures.values()), default=0)
@@ -56,7 +68,7 @@ def pack_calls(signatures: dict[str, tuple[type, ...]], calls: list[tuple[str, t
             raise ValueError(f"{name} takes {len(argtypes)} arguments, got {len(args)}")
         out += struct.pack("=q", index[name])
         for value, t in zip(args, argtypes):
-            kind = _KINDS[t][0]
+            kind = _kind(t)[0]
             out += struct.pack(_PACK[kind], 0 if value is None else value)
         out += bytes(8 * (width - len(args)))
     return out
@@ -101,10 +113,10 @@ def source(signatures: dict[str, tuple[type, ...]]) -> str:
     cases = []
     for op, (name, argtypes) in enumerate(signatures.items()):
         try:
-            kinds = "".join(_KINDS[t][0] for t in argtypes)
+            kinds = "".join(_kind(t)[0] for t in argtypes)
         except KeyError as exc:
             raise ValueError(f"{name}: no direct call for the argument type {exc}") from None
-        ctypes_decl = ", ".join(_KINDS[t][1] for t in argtypes)
+        ctypes_decl = ", ".join(_kind(t)[1] for t in argtypes)
         call = ", ".join(f"v[{k}].{c}" for k, c in enumerate(kinds))
         lines += [f"void {name}({ctypes_decl});",
                   f"static PyObject* py_{name}(PyObject* self, PyObject* const* a, Py_ssize_t n) {{",

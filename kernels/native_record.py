@@ -7,41 +7,41 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
-from types import SimpleNamespace
+from collections.abc import Iterator
 from typing import Any
 
 
 class Recording:
-    """The C calls of one recorded forward, in order, and the limits the replay must check itself.
+    """The C calls of one recorded forward, in order, the limits the replay must check itself, and what the
+    ops declined.
 
     Attributes:
         calls: ``(op name, arguments)`` per call, the arguments as passed (pointers are ints).
         bounds: name -> the smallest limit any recorded op reported (exclusive for ``positions``, ``slots``,
             ``blocks``; inclusive for ``context``): a replayed step's inputs must stay within them, because
             the ops' own range checks ran only while recording.
+        declined: ``(op, reason)`` for each call a C op declined (its caller ran torch ops instead, which a
+            replay cannot repeat), in order; ``engine/cpu_graph.py`` names the first when it refuses a graph.
         max_context: the longest context a replay may attend to (decode attention's work buffer is sized
             for it).
         thread: the recording thread (other threads call the ops as usual).
-        ops: the recording stand-ins for the library's ops (same names and arguments).
     """
 
-    def __init__(self, lib: SimpleNamespace, max_context: int) -> None:
+    def __init__(self, max_context: int) -> None:
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
         self.bounds: dict[str, int] = {}
+        self.declined: list[tuple[str, str]] = []
         self.max_context = max_context
         self.thread = threading.get_ident()
         self._checking = 0
-        self.ops = SimpleNamespace(**{k: v for k, v in vars(lib).items() if not k.startswith("li_")})
-        for name, fn in vars(lib).items():
-            if name.startswith("li_"):
-                setattr(self.ops, name, self._recorder(name, fn))
 
-    def _recorder(self, name: str, fn: Callable[..., None]) -> Callable[..., None]:
-        def call(*args: Any) -> None:
-            fn(*args)
-            self.calls.append((name, args))
-        return call
+    def record(self, name: str, args: tuple[Any, ...]) -> None:
+        """Append one C call (made already) with its arguments."""
+        self.calls.append((name, args))
+
+    def decline(self, op: str, reason: str) -> None:
+        """Note that the C op ``op`` did not take a call, and why (its caller runs torch ops instead)."""
+        self.declined.append((op, reason))
 
     def bound(self, name: str, limit: int) -> None:
         """Keep the smallest ``limit`` reported for ``name``."""

@@ -181,6 +181,8 @@ def paged_attention_decode(q: torch.Tensor, kv: PagedKV, block_tables: torch.Ten
         native = cpu_native.attend_decode(q, kv, block_tables, context_lens, scale)
         if native is not None:
             return native
+    else:  # the C op has neither: said, so that a recorded step names it when it refuses
+        cpu_native.declined("attend_decode", "a sliding window" if window > 0 else "soft-capped scores")
     _, num_heads, head_dim = q.shape
     num_kv_heads = kv.num_kv_heads
     groups = _decode_plan(block_tables, context_lens, kv.block_size, num_kv_heads, head_dim, window)

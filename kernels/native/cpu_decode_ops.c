@@ -23,6 +23,7 @@
 #endif
 
 #include "cpu_convert.h"
+#include "cpu_kv_cache.h"
 
 static inline void to_f32(const void* p, int dt, size_t off, int n, float* restrict out) {
     if (dt == DT_BF16) {
@@ -164,15 +165,18 @@ static void quantize_row(const float* x, int d, int8_t* q, uint16_t* scale_out, 
     *zero_out = z16;
 }
 
-/* qkv [T, row_stride] (q | k | v heads, dtype dt), positions int64 [T], cos/sin fp32 [max_pos, D / 2].
- * Writes q_out [T, H, D] (dtype dt, rotated), and k (rotated, rounded to dt) and v at slots int64 [T]
- * (-1: skipped) of the caches k_cache / v_cache [slots, Hkv, D] of dtype cdt; an INT8 cache (cdt DT_I8)
- * also gets fp16 scales / zeros [slots, Hkv]. */
-void li_rope_store(const void* qkv, int dt, int T, int row_stride, int H, int Hkv, int D, const int64_t* positions,
-                   const float* cos_cache, const float* sin_cache, const int64_t* slots, void* k_cache,
-                   void* v_cache, int cdt, uint16_t* k_scale, uint16_t* k_zero, uint16_t* v_scale, uint16_t* v_zero,
+/* qkv [T, row_stride] (q | k | v heads, dtype dt), positions int64 [T], cos/sin fp32 [max_pos, R / 2], with
+ * Hkv = kv->num_kv_heads and D = kv->head_dim; the first R (even, <= D) dims of each q and k head rotate, the
+ * others pass unchanged (partial rotation: Phi-3's partial_rotary_factor). Writes q_out [T, H, D] (dtype dt),
+ * and k (rounded to dt) and v at slots int64 [T] (-1: skipped) of the cache kv (an INT8 one also gets its fp16
+ * scales / zeros). */
+void li_rope_store(const void* qkv, int dt, int T, int row_stride, int H, int R, const int64_t* positions,
+                   const float* cos_cache, const float* sin_cache, const int64_t* slots, const li_kv_cache* kv,
                    void* q_out, int nthreads) {
-    const int half = D / 2;
+    const int Hkv = kv->num_kv_heads, D = kv->head_dim, cdt = kv->dtype;
+    void *k_cache = kv->k, *v_cache = kv->v;
+    uint16_t *k_scale = kv->k_scale, *k_zero = kv->k_zero, *v_scale = kv->v_scale, *v_zero = kv->v_zero;
+    const int half = R / 2;
     /* tokens in parallel for a prefill (each writes its own q rows and cache slots); one decode token alone */
     int threads = (long)T * (H + 2 * Hkv) * D < PARALLEL_MIN || nthreads < 1 ? 1 : nthreads;
     (void)threads; /* only the OpenMP pragma reads it */
@@ -185,13 +189,14 @@ void li_rope_store(const void* qkv, int dt, int T, int row_stride, int H, int Hk
         for (int hh = 0; hh < H + 2 * Hkv; hh++) {
             float x[D], y[D];
             to_f32(qkv, dt, row + (size_t)hh * D, D, x);
-            if (hh < H + Hkv) { /* q or k: x * [cos, cos] + roll(x, D/2) * [-sin, sin], rounded to dt */
+            if (hh < H + Hkv) { /* q or k: x * [cos, cos] + roll(x, R/2) * [-sin, sin] on R dims, rounded to dt */
                 for (int i = 0; i < half; i++) {
                     float a = x[i] * c[i], b = x[i + half] * -s[i];
                     y[i] = a + b;
                     float a2 = x[i + half] * c[i], b2 = x[i] * s[i];
                     y[i + half] = a2 + b2;
                 }
+                memcpy(y + R, x + R, sizeof(float) * (D - R)); /* the dims that do not rotate */
                 round_to(dt, D, y);
             } else {
                 memcpy(y, x, sizeof(float) * D);
@@ -232,8 +237,8 @@ static inline void kv_row(const void* cache, int cdt, const uint16_t* scale, con
 #endif
 
 /* sum_i a[i] b[i] over n values: fp32 products and sums, in fused multiply-adds of 16 (AVX-512) or 8 (AVX2 + FMA)
- * lanes. The plain loop is a reduction that -ffp-contract=off without -ffast-math keeps scalar: on an AVX2 CPU
- * decode attention spent 10.9 ms of a 48.6 ms step of 16 sequences in it (SmolLM2, 2 threads, 2026-12-06). */
+ * lanes. The plain loop is a reduction that -ffp-contract=off without -ffast-math keeps scalar, a fifth of a
+ * batched step's time on an AVX2 CPU (docs/cpu_performance.md, "Measurements behind the C ops' choices"). */
 static inline float dot_f32(const float* restrict a, const float* restrict b, int n) {
     int i = 0;
     float dot = 0.0f;
@@ -345,14 +350,15 @@ static void attend_one(const float* q, int G, int D, float scale, const int32_t*
     }
 }
 
-/* q [B, H, D] (dtype dt) -> out [B, H, D] (dtype dt); block_tables int32 [B, bt_stride], context_lens int32 [B]
- * (the new token included); caches as li_rope_store's. scratch: fp32, at least
+/* q [B, H, D] (dtype dt, D = kv->head_dim) -> out [B, H, D] (dtype dt); block_tables int32 [B, bt_stride],
+ * context_lens int32 [B] (the new token included); the cache kv as li_rope_store's. scratch: fp32, at least
  * nthreads * (G * max_len + 2 * G * D) values. Parallel over (sequence, KV head) when worth it. */
-void li_attend_decode(const void* q, int dt, int B, int H, int Hkv, int D, float scale, const int32_t* block_tables,
-                      int bt_stride, const int32_t* context_lens, int block_size, const void* k_cache,
-                      const void* v_cache, int cdt, const uint16_t* k_scale, const uint16_t* k_zero,
-                      const uint16_t* v_scale, const uint16_t* v_zero, void* out, float* scratch, int max_len,
+void li_attend_decode(const void* q, int dt, int B, int H, float scale, const int32_t* block_tables, int bt_stride,
+                      const int32_t* context_lens, const li_kv_cache* kv, void* out, float* scratch, int max_len,
                       int nthreads) {
+    const int Hkv = kv->num_kv_heads, D = kv->head_dim, block_size = kv->block_size, cdt = kv->dtype;
+    const void *k_cache = kv->k, *v_cache = kv->v;
+    const uint16_t *k_scale = kv->k_scale, *k_zero = kv->k_zero, *v_scale = kv->v_scale, *v_zero = kv->v_zero;
     const int G = H / Hkv;
     const size_t per_thread = (size_t)G * max_len + 2 * (size_t)G * D;
     long work = 0;

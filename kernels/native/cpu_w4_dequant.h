@@ -129,8 +129,8 @@ static inline void w4_dequant16_f32(__m128i codes, float d, float m, float* out)
 /* AVX2: the 256 fp32 values of super-block p (128 bytes), blocks b0..b0+7, at out. Vector u of the super-block
  * holds dword u of each of its 8 blocks (block b's codes 8 u..8 u + 3 in the low nibbles of that dword's bytes,
  * 8 u + 4..8 u + 7 in the high ones); interleaving the nibbles, then the vectors' 64-bit halves, puts each block's
- * 32 codes in order. Without it the fp32 weight of a prefill was unpacked one code at a time: 2.0 ms of a
- * SmolLM2 layer's 5 ms at 128 rows (2 threads, 2026-12-06), 7x the AVX-512 path's time. */
+ * 32 codes in order. Without it the fp32 weight of a prefill was unpacked one code at a time, several times the
+ * AVX-512 path's time (docs/cpu_performance.md, "Measurements behind the C ops' choices"). */
 static inline void w4_dequant_superblock_f32_avx2(const uint8_t* p, const float* dv, const float* mv, float* out) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     __m256i lo[4], hi[4];

@@ -15,7 +15,9 @@ of that size load their inputs into the same static buffers and repeat the calls
 
 Only what the C ops compute can be replayed, so the recording watches every torch op of the forward
 (a ``TorchDispatchMode``): one that computes (a torch fallback of an op, an op with no C twin, a
-prefill-sized GEMM) refuses the graph for that size, which then always runs eagerly (the reason logged at debug level and kept in ``refused``). Tensors
+prefill-sized GEMM) refuses the graph for that size, which then always runs eagerly (the reason kept in
+``refused``, led by what the first C op that declined said: ``cpu_native``'s contract is that an op either makes
+its call or declines with a reason). Tensors
 the forward allocates are laid out in one arena per graph, by lifetime (a tensor's bytes are reused once
 its last reader has run), and the recorded pointers rewritten into it; a pointer that is neither in the
 arena nor in a tensor the model, its KV cache or the runner holds refuses the graph too. The graph keeps
@@ -28,6 +30,11 @@ bit-identical to the eager forward: the same C calls with the same arguments, ex
 work buffer is sized for the longest context the step's tables can hold, and that each call is given the
 step's thread count (``torch.get_num_threads()``, which ``cpu_threads.py`` lowers while other processes hold
 cores; a size recorded on fewer threads than a step has is recorded again). ``enforce_eager`` turns them off.
+
+What is replayed is said once at start-up: the runner records a batch of one padding row then
+(:meth:`CpuDecodeGraphRunner.probe`, writing nothing into the cache; that graph serves the later steps of one
+sequence), and :func:`log_replay_plan` logs the sizes that are replayed and why the others, or the whole model,
+run eagerly; :func:`replay_report` is the same as data (``model_info()["cpu_decode_replay"]``, ``/stats``).
 """
 
 from __future__ import annotations
@@ -77,6 +84,8 @@ class CpuDecodeGraph:
         keep: the model's, cache's and runner's tensors the calls point into (kept alive).
         threads: the most threads any call was given (``cpu_native.THREADED_OPS``' last argument): the work
             buffers hold that many threads' parts, so a replay may pass fewer, never more.
+        descriptors: the KV-cache structs (``native_abi.LiKvCache``) the calls point to (kept alive: the
+            calls hold only their addresses).
     """
 
     calls: list[tuple[str, tuple[Any, ...]]]
@@ -84,6 +93,7 @@ class CpuDecodeGraph:
     bounds: dict[str, int]
     arena: torch.Tensor
     keep: list[torch.Tensor] = field(default_factory=list)
+    descriptors: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         lib = cpu_native.library()
@@ -229,6 +239,7 @@ def plan_graph(rec: Recording, allocations: list[torch.Tensor], output: torch.Te
     last: dict[int, int] = {}
     keep: dict[int, list[torch.Tensor]] = {}
     rewrites: list[list[tuple[int, int, int]]] = []  # per call: (arg index, range, byte offset in it)
+    descriptors: dict[int, Any] = {}  # the KV-cache structs the calls point to, by address
     for i, (name, args) in enumerate(rec.calls):
         mine = []
         for k in cpu_native.pointer_args(name):
@@ -245,6 +256,17 @@ def plan_graph(rec: Recording, allocations: list[torch.Tensor], output: torch.Te
             if s is None:
                 raise CaptureRefused(f"{name}'s argument {k} points into memory the graph cannot keep")
             keep[s] = static.owners[s]
+        for k in cpu_native.descriptor_args(name):
+            desc = cpu_native.kv_descriptor(args[k])
+            if desc is None:
+                raise CaptureRefused(f"{name}'s argument {k} is not a KV-cache descriptor the C ops made")
+            for p in desc.pointers():  # the cache's tensors: held by the model, kept like any static pointer
+                s = static.find(p) if p else -1
+                if s is None:
+                    raise CaptureRefused(f"{name}'s KV cache points into memory the graph cannot keep")
+                if s >= 0:
+                    keep[s] = static.owners[s]
+            descriptors[args[k]] = desc
         rewrites.append(mine)
     out_range = local.find(output.data_ptr())
     if out_range is None or out_range not in first:
@@ -263,7 +285,8 @@ def plan_graph(rec: Recording, allocations: list[torch.Tensor], output: torch.Te
     at = base + offsets[out_range] + output.data_ptr() - local.starts[out_range]
     view = arena[at: at + output.numel() * output.element_size()].view(output.dtype).view(output.shape)
     bounds = {**rec.bounds, "block_size": block_size}
-    return CpuDecodeGraph(calls, view, bounds, arena, [t for owners in keep.values() for t in owners])
+    return CpuDecodeGraph(calls, view, bounds, arena, [t for owners in keep.values() for t in owners],
+                          list(descriptors.values()))
 
 
 def _place(sizes: dict[int, tuple[int, int, int]]) -> tuple[dict[int, int], int]:
@@ -349,6 +372,23 @@ class CpuDecodeGraphRunner(DecodeGraphRunner):
             return self._eager(bs)
         return self._record(bs)
 
+    @torch.inference_mode()
+    def probe(self) -> None:
+        """Record a decode step of one padding row now (slot -1: nothing written into the KV cache; context 1
+        over block 0), so that whether this model's steps replay is known at start-up (:attr:`refused` holds
+        why not); the graph, if any, serves the later steps of one sequence."""
+        self._pad_all_rows()
+        if self.inputs_embeds is not None:
+            self.inputs_embeds[:1].zero_()
+        self._record(1)
+
+    def reset(self) -> None:
+        """Forget every recording and refusal (and the tensors the model holds): for a model changed after
+        start-up, whose next steps are then recorded anew."""
+        self.cpu_graphs.clear()
+        self.refused.clear()
+        self._static = None
+
     def _eager(self, bs: int) -> torch.Tensor:
         self._forward(bs)
         return self.hidden[:bs]
@@ -370,8 +410,78 @@ class CpuDecodeGraphRunner(DecodeGraphRunner):
                 raise CaptureRefused(watch.refused)
             self.cpu_graphs[bs] = plan_graph(rec, watch.allocations, out, self._static, self.block_size)
         except CaptureRefused as err:
-            # debug, not info: a `lightinfer generate` would print it in the middle of its streamed answer;
-            # runner.refused keeps the reason
-            logger.debug("lightinfer: CPU decode steps of %d sequences run eagerly, not replayed (%s)", bs, err)
-            self.refused[bs] = str(err)
+            said = "; ".join(f"{op} declined: {reason}" for op, reason in dict.fromkeys(rec.declined))
+            why = f"{said} ({err})" if said else str(err)
+            # debug, not info: a `lightinfer generate` would print it in the middle of its streamed answer; the
+            # start-up probe's refusal is logged at info (log_replay_plan), and runner.refused keeps every reason
+            logger.debug("lightinfer: CPU decode steps of %d sequences run eagerly, not replayed (%s)", bs, why)
+            self.refused[bs] = why
         return out
+
+
+def replay_unavailable(device: torch.device, enforce_eager: bool, num_kv_groups: int, dtype: torch.dtype,
+                       backend: str) -> str | None:
+    """Why an engine records no CPU decode step at all, or None when it does (``model_runner._cpu_graph_runner``).
+
+    Args:
+        device: the engine's device. enforce_eager: the engine's setting. num_kv_groups: its KV-cache groups
+            (sliding-window layers keep their own). dtype: its activation dtype. backend: the small ops'
+            backend (``layers.ops.backend_name``).
+    """
+    if device.type != "cpu":
+        return "not a CPU engine (a CUDA engine replays CUDA graphs)"
+    if enforce_eager:
+        return "enforce_eager is set"
+    if dtype != torch.bfloat16:
+        return (f"{str(dtype).replace('torch.', '')} activations: only bf16 engines replay (fp32 multiplies by "
+                "torch's GEMM, and the C ops take no fp16)")
+    if backend != "torch_cpu":
+        return f"the {backend} backend runs the small ops, not the C ops"
+    if num_kv_groups != 1:
+        return (f"{num_kv_groups} KV-cache groups (sliding-window and full-attention layers keep separate pools; "
+                "a recording holds one)")
+    if cpu_native.library() is None:
+        return f"the C ops are unavailable ({cpu_native.status})"
+    return None
+
+
+def eager_above(max_batch_size: int, max_decode_batch: int, dtype: torch.dtype) -> str | None:
+    """Why decode batches above ``max_batch_size`` (up to ``max_decode_batch``) run eagerly; None when none do."""
+    if max_batch_size >= max_decode_batch:
+        return None
+    return (f"batches of {max_batch_size + 1} or more sequences: the 4-bit products take torch's dense GEMM from "
+            f"{cpu_native.dense_rows(dtype)} rows, which a replay cannot repeat")
+
+
+def replay_report(runner: CpuDecodeGraphRunner | None, unavailable: str | None,
+                  above: str | None = None) -> dict[str, Any]:
+    """Which CPU decode steps are replayed, as data (``model_info()["cpu_decode_replay"]``, ``/stats``).
+
+    Args:
+        runner: the engine's runner, or None when it has none.
+        unavailable: why it has none (:func:`replay_unavailable`).
+        above: why batches above the runner's largest size run eagerly (:func:`eager_above`).
+    Returns:
+        ``enabled`` (bool); ``batch_sizes``: the sizes recorded at their first step, ``[1, max]``, or ``[]``;
+        ``replayed``: the sizes that have a graph now; ``refused``: size (a string) -> why it runs eagerly;
+        ``eager``: why the sizes outside ``batch_sizes`` (or all of them) run eagerly, None when none do.
+    """
+    if runner is None:
+        return {"enabled": False, "batch_sizes": [], "replayed": [], "refused": {}, "eager": unavailable}
+    return {"enabled": True, "batch_sizes": [1, runner.max_batch_size], "replayed": sorted(runner.cpu_graphs),
+            "refused": {str(k): v for k, v in sorted(runner.refused.items())}, "eager": above}
+
+
+def log_replay_plan(report: dict[str, Any]) -> None:
+    """One info line at start-up: which CPU decode batch sizes are replayed, and why the others are not."""
+    if not report["enabled"]:
+        logger.info("lightinfer: CPU decode steps run eagerly, not replayed: %s", report["eager"])
+        return
+    lo, hi = report["batch_sizes"]
+    if report["refused"]:
+        logger.info("lightinfer: CPU decode steps run eagerly, not replayed: this model's step of one sequence "
+                    "was refused: %s", next(iter(report["refused"].values())))
+        return
+    above = f"; {report['eager']}, run eagerly" if report["eager"] else ""
+    logger.info("lightinfer: CPU decode steps of %d-%d sequences are replayed (each size recorded at its first "
+                "step)%s", lo, hi, above)

@@ -15,6 +15,7 @@ import torch
 
 from lightinfer.config import EngineConfig, cpu_auto_dtype
 from lightinfer.engine.block_manager import BlockManager
+from lightinfer.engine.cpu_graph import replay_report
 from lightinfer.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
 from lightinfer.engine.load_progress import LoadProgress
 from lightinfer.engine.model_runner import ModelRunner
@@ -69,6 +70,8 @@ class EngineStats:
     max_batch_size: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    # which CPU decode batch sizes are replayed, and why the others run eagerly (LLMEngine.cpu_decode_replay)
+    cpu_decode_replay: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -390,6 +393,7 @@ class LLMEngine:
         s.num_preemptions = self.scheduler.num_preemptions
         s.prefix_cache_queries = self.block_manager.num_queries
         s.prefix_cache_hits = self.block_manager.num_hits
+        s.cpu_decode_replay = self.cpu_decode_replay()
         return EngineStats(**vars(s))
 
     def model_info(self) -> dict:
@@ -427,7 +431,17 @@ class LLMEngine:
             # a CPU engine's threads: mode ("auto": fewer while other processes keep cores busy; "fixed"), the
             # count now and at most, other processes' load at the last measurement (engine/cpu_threads.py)
             "cpu_threads": None if self.model_runner.cpu_threads is None else self.model_runner.cpu_threads.info(),
+            # which CPU decode batch sizes are replayed from recordings, and why the others run eagerly
+            "cpu_decode_replay": self.cpu_decode_replay(),
         }
+
+    def cpu_decode_replay(self) -> dict:
+        """Which CPU decode steps are replayed (``engine/cpu_graph.replay_report``): ``enabled``, ``batch_sizes``
+        (the recorded range), ``replayed`` (sizes with a graph now), ``refused`` (size -> why eager), ``eager``
+        (why the other sizes, or all of them, run eagerly)."""
+        mr = self.model_runner
+        return replay_report(mr.cpu_graph_runner, getattr(mr, "cpu_replay_off", None),
+                             getattr(mr, "cpu_replay_above", None))
 
     # ------------------------------------------------------------------ scoring
     @torch.inference_mode()

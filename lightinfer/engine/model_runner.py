@@ -8,7 +8,13 @@ import torch
 
 from lightinfer.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from lightinfer.dummy_weights import init_dummy_weights
-from lightinfer.engine.cpu_graph import CpuDecodeGraphRunner
+from lightinfer.engine.cpu_graph import (
+    CpuDecodeGraphRunner,
+    eager_above,
+    log_replay_plan,
+    replay_report,
+    replay_unavailable,
+)
 from lightinfer.engine.cpu_malloc import tune_malloc_for_cpu_inference
 from lightinfer.engine.cpu_threads import CpuThreads
 from lightinfer.engine.cuda_graph import CudaGraphCaptureError, DecodeGraphRunner, graph_batch_sizes
@@ -303,16 +309,23 @@ class ModelRunner:
     def _cpu_graph_runner(self) -> CpuDecodeGraphRunner | None:
         """The CPU's recorded decode steps (``cpu_graph.py``): on a bf16 CPU engine with the C ops, one KV-cache
         group and without ``enforce_eager``; batches below the 4-bit products' dense path unless that path is a
-        C op too (AMX). fp32 engines multiply by torch's GEMM (and the C ops take no fp16): nothing to replay."""
-        if self.device.type != "cpu" or self.config.enforce_eager or len(self.kv_groups) != 1 or \
-                self.dtype != torch.bfloat16 or backend_name(torch.empty(0)) != "torch_cpu" or \
-                cpu_native.library() is None:
-            return None
-        rows = self._max_decode_batch()
-        if not cpu_native.dense_path_native(self.dtype):
-            rows = min(rows, cpu_native.dense_rows(self.dtype) - 1)
-        return CpuDecodeGraphRunner(self.model, rows, self.kv_spec.blocks_for(int(self.config.max_model_len)),
-                                    self.kv_spec.block_size, self.model.config.hidden_size, self.dtype)
+        C op too (AMX). fp32 engines multiply by torch's GEMM (and the C ops take no fp16): nothing to replay.
+        Sets :attr:`cpu_replay_off` / :attr:`cpu_replay_above` (why not) and, on a CPU, logs what is replayed."""
+        self.cpu_replay_off = replay_unavailable(self.device, self.config.enforce_eager, len(self.kv_groups),
+                                                 self.dtype, backend_name(torch.empty(0)))
+        self.cpu_replay_above: str | None = None
+        runner = None
+        if self.cpu_replay_off is None:
+            rows = self._max_decode_batch()
+            if not cpu_native.dense_path_native(self.dtype):
+                rows = min(rows, cpu_native.dense_rows(self.dtype) - 1)
+            self.cpu_replay_above = eager_above(rows, self._max_decode_batch(), self.dtype)
+            runner = CpuDecodeGraphRunner(self.model, rows, self.kv_spec.blocks_for(int(self.config.max_model_len)),
+                                          self.kv_spec.block_size, self.model.config.hidden_size, self.dtype)
+            runner.probe()
+        if self.device.type == "cpu":
+            log_replay_plan(replay_report(runner, self.cpu_replay_off, self.cpu_replay_above))
+        return runner
 
     def _max_decode_batch(self) -> int:
         """Most decodes one step can hold: one token each, so the token budget caps them too."""

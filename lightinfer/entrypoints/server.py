@@ -9,8 +9,9 @@ bodies are capped; prompts and replies are logged only at DEBUG level. A wrong p
 404 ("Invalid URL (GET /v1/x)") listing the routes there are.
 
 ``/stats`` is the engine's counters as JSON (running / waiting requests, KV blocks free and in use,
-preemptions, prefix-cache hits, batch sizes, token totals): what the UI's engine panel shows, for
-scripts and tests; ``/metrics`` has the same and the request latencies for Prometheus.
+preemptions, prefix-cache hits, batch sizes, token totals, and ``cpu_decode_replay``: which CPU decode batch
+sizes are replayed from recordings and why the others run eagerly): what the UI's engine panel shows, for
+scripts and tests; ``/metrics`` has the counters and the request latencies for Prometheus.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from lightinfer.kernels import PagedKV, SplitKPartials
-from lightinfer.layers.ops import ops_for
+from lightinfer.layers.ops import backend_name, ops_for
 from lightinfer.layers.rope_scaling import layer_types_of
 from lightinfer.layers.rotary import RotaryEmbedding
 
@@ -202,11 +202,12 @@ class Attention(nn.Module):
             ``[T, H * D]``.
         """
         ctx = get_context()
-        if ctx.no_cache or self.kv_cache is None or rotary_emb.is_partial:  # the fused op rotates whole heads
+        x = qkv.partials if isinstance(qkv, SplitKPartials) else qkv
+        # the fused op rotates whole heads, but for the CPU's (cpu_fused / cpu_native.rope_store: partial too)
+        if ctx.no_cache or self.kv_cache is None or (rotary_emb.is_partial and backend_name(x) != "torch_cpu"):
             q, k, v = self.split_qkv(qkv.reduced() if isinstance(qkv, SplitKPartials) else qkv)
             q, k = rotary_emb(positions, q, k)
             return self.forward(q, k, v)
-        x = qkv.partials if isinstance(qkv, SplitKPartials) else qkv
         q = ops_for(x).rope_store_kvcache(positions, qkv, self.num_heads, self.num_kv_heads, rotary_emb.cos_cache,
                                           rotary_emb.sin_cache, self.kv_cache, ctx.group(self.kv_group).slot_mapping)
         return self._attend(q, self.kv_cache, ctx)

@@ -96,8 +96,10 @@ def test_silu_mul_matches_the_torch_op(dtype: torch.dtype) -> None:
 
 
 @needs_native
+@pytest.mark.parametrize("rotary_dim", [64, 48])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
-def test_rope_store_is_the_torch_op_bit_for_bit(cache_dtype: torch.dtype) -> None:
+def test_rope_store_is_the_torch_op_bit_for_bit(cache_dtype: torch.dtype, rotary_dim: int) -> None:
+    """Whole heads rotated, and (48 of 64 dims) partial rotation as Phi-3's partial_rotary_factor."""
     gen = torch.Generator().manual_seed(4)
     d, hq, hk, t = 64, 6, 2, 5
     act = torch.float32 if cache_dtype == torch.float32 else torch.bfloat16
@@ -110,7 +112,7 @@ def test_rope_store_is_the_torch_op_bit_for_bit(cache_dtype: torch.dtype) -> Non
     qkv = (torch.randn(t, (hq + 2 * hk) * d, generator=gen) * 3).to(act)
     positions = torch.tensor([0, 3, 90, 2, 17])
     slots = torch.tensor([0, 5, -1, 19, 23])
-    freqs = torch.outer(torch.arange(128.0), 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+    freqs = torch.outer(torch.arange(128.0), 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2) / rotary_dim))
     a, b = cache(), cache()
     qa = cpu_native.rope_store(positions, qkv, hq, hk, freqs.cos(), freqs.sin(), a, slots)
     with _torch_path():
@@ -238,3 +240,19 @@ def test_an_older_target_builds_for_it_and_chooses_its_paths(monkeypatch: pytest
     assert "avx2" in flags and not flags & {"avx512f", "avx512_bf16", "amx_bf16"}
     with switches.override(cpu_march="native"):
         assert "-march=native" in cpu_native.build_flags()
+
+
+@needs_native
+def test_a_declined_op_says_why_in_the_recording() -> None:
+    """The replay contract: inside a recording an op either appends its call or notes why it declined; outside
+    one a decline costs nothing but the None."""
+    with cpu_native.recording(64) as rec:
+        assert cpu_native.silu_mul(torch.randn(3, 8, dtype=torch.float16)) is None
+        assert cpu_native.silu_mul(torch.randn(3, 8)) is not None
+        assert not cpu_native.qk_norm_(torch.randn(2, 64).t(), 1, 1, torch.ones(16), torch.ones(16), 1e-6)
+        cpu_native.declined("attend_decode", "a sliding window")
+    assert rec.declined == [("silu_mul", "torch.float16 activations"), ("qk_norm", "a strided input"),
+                            ("attend_decode", "a sliding window")]
+    assert [name for name, _ in rec.calls] == ["li_silu_mul"]
+    assert cpu_native.silu_mul(torch.randn(3, 8, dtype=torch.float16)) is None  # no recording: nothing kept
+    assert len(rec.declined) == 3

@@ -188,7 +188,11 @@ def test_real_engine_concurrent_streams_and_abort(real_server: LiveServer) -> No
 
     alone, batched, n = asyncio.run(main())
     assert "Paris" in alone and batched[0] == alone and all(batched) and 3 <= n < 200
-    wait_idle(real_server.url)
+    stats = wait_idle(real_server.url)
+    # /stats says whether CPU decode steps are replayed: this fp32 engine's are not, and why
+    replay = stats["cpu_decode_replay"]
+    assert replay == engine.model_info()["cpu_decode_replay"]
+    assert not replay["enabled"] and "float32 activations" in replay["eager"]
 
 
 def test_from_config_loads_and_steps_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
