@@ -104,7 +104,7 @@ def run_mode(mode: str, alpha: float) -> dict:
 
     if mode not in ("exact", "lowbit"):
         Fbgemm.mode, Fbgemm.alpha = mode, alpha
-        for name in ("lightinfer.layers.linear", "lightinfer.layers.w8_linear", "lightinfer.layers.embed_head"):
+        for name in ("lightinfer.layers.linear", "lightinfer.layers.weight_forms", "lightinfer.layers.embed_head"):
             __import__(name)
             sys.modules[name].PackedWeight = Fbgemm
     llm = LLM(MODEL, dtype="auto" if mode == "lowbit" else "float32")

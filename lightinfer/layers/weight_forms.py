@@ -240,7 +240,7 @@ class PackedDenseWeight(LinearWeight):
         return self.packed.nbytes
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.packed.packed]
+        return [self.packed.packed] if isinstance(self.packed.packed, torch.Tensor) else []
 
 
 class DequantizedWeight(LinearWeight):
