@@ -171,11 +171,11 @@ class W4A16Linear(nn.Module):
         reads rows of this table); the exact path keeps them beside its dense copy."""
         if self.qweight is None or self.qweight.is_cuda or self.weight_impl.cpu_prepared:
             return  # (a tied table is reached twice: as the embedding's and as the LM head's)
-        form = None
+        form, runtime = None, W4RuntimeWeight(self)  # runtime: where another backend is forced (weight_forms)
         if use_cpu_lowbit(self.scales.dtype):
-            form = lowbit_weight(prepare_w4_cpu(self.qweight, self.scales, self.zeros, self.input_perm))
+            form = lowbit_weight(prepare_w4_cpu(self.qweight, self.scales, self.zeros, self.input_perm), None, runtime)
         if form is None:
-            self.weight_impl = dense_weight_form(self.dense_weight())
+            self.weight_impl = dense_weight_form(self.dense_weight(), runtime)
             return
         self.weight_impl = form
         if not self.rows_read:  # the same codes in another layout: one copy
@@ -185,7 +185,8 @@ class W4A16Linear(nn.Module):
         """``x [..., in]`` -> ``[..., out]`` (fp32 accumulation), by the weight's form (``weight_impl``).
 
         On a CPU engine, the form :meth:`pack_for_cpu` chose (4-bit for the C product or torch's int4 GEMM, or
-        the exact dequantized fallback). Otherwise the run-time tensors through the op backend
+        the exact dequantized fallback; a backend other than ``torch_cpu`` forced on it runs the run-time
+        tensors, where they were kept). Otherwise the run-time tensors through the op backend
         (``W4RuntimeWeight``): on the ``triton`` and ``reference`` backends the op reads the 4-bit tensors every
         call (on CUDA that is the point: 4x fewer bytes), and with ``defer_reduce`` and a 2-D ``x`` on the Triton
         path a split K comes back as unreduced :class:`SplitKPartials`; on ``torch_cpu`` a layer used unprepared

@@ -123,18 +123,18 @@ class W8A16Linear(nn.Module):
         # an LM head's logits in fp32: rounded to bf16 (steps of 0.125 at 16-32) near-equal tokens tie, and the
         # greedy pick falls to the lower id (SmolLM2 answered 'L'Étoile...' to the README's question)
         out_dtype = torch.float32 if self.lm_head else None
-        form = None
+        form, runtime = None, W8RuntimeWeight(self)  # runtime: where another backend is forced (weight_forms)
         if use_cpu_lowbit(self.dtype):
             if self.lm_head:
                 form = lowbit_weight(prepare_w8_per_channel_cpu(self.qweight, self.scales, self.zeros,
-                                                                self.input_perm), out_dtype)
+                                                                self.input_perm), out_dtype, runtime)
             if form is None and self.rows_read and not self.lm_head:
                 return  # only read as rows (an untied embedding): nothing multiplies by it
             if form is None:
                 form = lowbit_weight(prepare_w8_cpu(self.qweight, self.scales, self.zeros, self.input_perm),
-                                     out_dtype)
+                                     out_dtype, runtime)
         if form is None:
-            self.weight_impl = dense_weight_form(self.dense_weight().to(self.dtype))
+            self.weight_impl = dense_weight_form(self.dense_weight().to(self.dtype), runtime)
             return
         self.weight_impl = form
         if not self.rows_read:

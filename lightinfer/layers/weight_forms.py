@@ -19,6 +19,10 @@ and the engine's byte accounting and the CPU step recorder ask the form (:meth:`
 * :class:`PackedDenseWeight`: an fp32 weight prepacked for oneDNN (``cpu_gemm.PackedWeight``).
 * :class:`DequantizedWeight`: a dense copy ``[out, in]`` through ``F.linear`` (where oneDNN cannot pack it).
 
+The CPU engine's forms of a quantized layer keep its run-time form beside them (``runtime``): where a backend
+other than ``torch_cpu`` is forced on a prepared layer (the Triton path on the interpreter, the reference ops:
+tests do this on a CPU engine) that form computes, from the run-time tensors the preparation kept.
+
 A new form (a LoRA delta over any form, a tensor-parallel shard of one) is one more subclass: its ``forward``,
 ``nbytes`` and ``tensors``, and the layer's preparation choosing it.
 """
@@ -174,12 +178,16 @@ class W8RuntimeWeight(_RuntimeWeight):
 
 class _PreparedLowbit(LinearWeight):
     """A weight the CPU engine converted once (``kernels.cpu_lowbit``), held in ``prepared``; ``out_dtype``:
-    the result's dtype (None: ``x``'s; fp32 for an 8-bit LM head's logits)."""
+    the result's dtype (None: ``x``'s; fp32 for an 8-bit LM head's logits). ``runtime``: the layer's run-time
+    form, which computes instead where a backend other than ``torch_cpu`` is forced on the prepared layer (a
+    test running the Triton path or the reference ops on a CPU engine; it raises where the preparation released
+    the run-time tensors); None: always this form."""
 
     def __init__(self, prepared: CpuW4Weight | CpuQuantWeight | CpuInt8Weight,
-                 out_dtype: torch.dtype | None = None) -> None:
+                 out_dtype: torch.dtype | None = None, runtime: LinearWeight | None = None) -> None:
         self.prepared = prepared
         self.out_dtype = out_dtype
+        self.runtime = runtime
 
     def nbytes(self) -> int:
         return self.prepared.nbytes
@@ -194,6 +202,8 @@ class NativeW4Weight(_PreparedLowbit):
     same_codes = True
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.runtime is not None and backend_name(x) != "torch_cpu":
+            return self.runtime.forward(x, bias)
         return cpu_quant_linear(x, self.prepared, bias, out_dtype=self.out_dtype)
 
 
@@ -204,6 +214,8 @@ class TorchInt4Weight(_PreparedLowbit):
     same_codes = True
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.runtime is not None and backend_name(x) != "torch_cpu":
+            return self.runtime.forward(x, bias)
         return cpu_quant_linear(x, self.prepared, bias, out_dtype=self.out_dtype)
 
 
@@ -212,28 +224,35 @@ class Int8PerChannelWeight(_PreparedLowbit):
     for ``cpu_native.w8_linear`` or torch's ``_weight_int8pack_mm``."""
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.runtime is not None and backend_name(x) != "torch_cpu":
+            return self.runtime.forward(x, bias)
         return cpu_int8_linear(x, self.prepared, bias, out_dtype=self.out_dtype)
 
 
 def lowbit_weight(prepared: CpuW4Weight | CpuQuantWeight | CpuInt8Weight | None,
-                  out_dtype: torch.dtype | None = None) -> LinearWeight | None:
-    """The form for a weight ``kernels.cpu_lowbit``'s ``prepare_*`` returned (None where it returned None)."""
+                  out_dtype: torch.dtype | None = None, runtime: LinearWeight | None = None) -> LinearWeight | None:
+    """The form for a weight ``kernels.cpu_lowbit``'s ``prepare_*`` returned (None where it returned None);
+    ``out_dtype`` and ``runtime`` as :class:`NativeW4Weight`'s."""
     if prepared is None:
         return None
     if isinstance(prepared, CpuW4Weight):
-        return NativeW4Weight(prepared, out_dtype)
+        return NativeW4Weight(prepared, out_dtype, runtime)
     if isinstance(prepared, CpuInt8Weight):
-        return Int8PerChannelWeight(prepared, out_dtype)
-    return TorchInt4Weight(prepared, out_dtype)
+        return Int8PerChannelWeight(prepared, out_dtype, runtime)
+    return TorchInt4Weight(prepared, out_dtype, runtime)
 
 
 class PackedDenseWeight(LinearWeight):
-    """An fp32 weight prepacked once for oneDNN's GEMM (``cpu_gemm.PackedWeight``): fp32 ``y``."""
+    """An fp32 weight prepacked once for oneDNN's GEMM (``cpu_gemm.PackedWeight``): fp32 ``y``. ``runtime``: as
+    :class:`NativeW4Weight`'s (a quantized layer's run-time form; None for a dense layer: always this form)."""
 
-    def __init__(self, packed: PackedWeight) -> None:
+    def __init__(self, packed: PackedWeight, runtime: LinearWeight | None = None) -> None:
         self.packed = packed
+        self.runtime = runtime
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.runtime is not None and backend_name(x) != "torch_cpu":
+            return self.runtime.forward(x, bias)
         return self.packed(x, bias)
 
     def nbytes(self) -> int:
@@ -245,12 +264,15 @@ class PackedDenseWeight(LinearWeight):
 
 class DequantizedWeight(LinearWeight):
     """A dense ``[out, in]`` copy of the weight through ``F.linear`` (cast to ``x``'s dtype): the exact CPU path
-    where oneDNN cannot prepack it."""
+    where oneDNN cannot prepack it. ``runtime``: as :class:`NativeW4Weight`'s."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, runtime: LinearWeight | None = None) -> None:
         self.weight = weight
+        self.runtime = runtime
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.runtime is not None and backend_name(x) != "torch_cpu":
+            return self.runtime.forward(x, bias)
         return F.linear(x, self.weight.to(x.dtype), bias)
 
     def nbytes(self) -> int:
@@ -260,9 +282,12 @@ class DequantizedWeight(LinearWeight):
         return [self.weight]
 
 
-def dense_weight_form(weight: torch.Tensor) -> PackedDenseWeight | DequantizedWeight:
-    """The dense form of ``weight [out, in]`` on a CPU: prepacked where oneDNN takes it (fp32), else plain."""
-    return PackedDenseWeight(PackedWeight(weight)) if can_pack(weight) else DequantizedWeight(weight)
+def dense_weight_form(weight: torch.Tensor, runtime: LinearWeight | None = None) -> PackedDenseWeight | DequantizedWeight:
+    """The dense form of ``weight [out, in]`` on a CPU: prepacked where oneDNN takes it (fp32), else plain;
+    ``runtime`` as :class:`NativeW4Weight`'s."""
+    if can_pack(weight):
+        return PackedDenseWeight(PackedWeight(weight), runtime)
+    return DequantizedWeight(weight, runtime)
 
 
 def weight_form(module: nn.Module) -> LinearWeight | None:

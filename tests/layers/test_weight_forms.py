@@ -101,3 +101,23 @@ def test_every_linear_names_its_form_and_an_exact_cpu_preparation_is_a_dense_cop
     assert weight_form(w8) is form
     assert weight_form(nn.ReLU()) is None
     assert isinstance(DequantizedWeight(torch.zeros(2, 2)), LinearWeight)
+
+
+def test_a_prepared_layer_follows_a_forced_backend_through_its_runtime_form() -> None:
+    """The Triton path on the interpreter and the reference ops are forced on a CPU engine whose layers were
+    prepared: the exact path keeps the run-time tensors, and the forced backend's op computes from them."""
+    gen = torch.Generator().manual_seed(3)
+    layer = _w4(gen)
+    x = torch.randn(4, 64, generator=gen)
+    want = torch.nn.functional.linear(x, layer.dense_weight(), layer.bias)
+    layer.pack_for_cpu()  # fp32: dequantized beside the codes
+    form = weight_form(layer)
+    assert form.cpu_prepared and layer.qweight is not None
+    calls: list[str] = []
+    runtime_forward = form.runtime.forward
+    form.runtime.forward = lambda x, bias: calls.append("runtime") or runtime_forward(x, bias)
+    torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
+    assert calls == []  # the torch_cpu backend: the prepared form
+    with use_backend("reference"):
+        torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
+    assert calls == ["runtime"]
