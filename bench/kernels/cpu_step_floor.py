@@ -42,26 +42,43 @@ from bench.common.results import RESULTS, utc_now, write_json
 MODES = ("replayed", "eager", "no layer GEMMs", "no GEMMs")
 
 
-def _zeros_like_product(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None,
-                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Stands in for a low-bit product: zeros ``[..., N]`` in the dtype the product would return."""
-    return torch.zeros(*x.shape[:-1], weight.out_features, dtype=out_dtype or x.dtype)
-
-
 @contextlib.contextmanager
-def patched(mode: str) -> Iterator[None]:
-    """Replace the layers' (and for ``no GEMMs`` the LM head's) low-bit products by zeros while inside."""
-    from lightinfer.layers import linear, w8_linear
+def patched(model: torch.nn.Module, mode: str) -> Iterator[None]:
+    """Replace the low-bit products of the 4-bit layers (and for ``no GEMMs`` of the 8-bit ones: the LM head) by
+    zeros while inside: their weight forms (``layers/weight_forms.py``) swapped for one that returns zeros of
+    the product's shape, in the dtype it would return."""
+    from lightinfer.layers.linear import W4A16Linear
+    from lightinfer.layers.w8_linear import W8A16Linear
+    from lightinfer.layers.weight_forms import (
+        Int8PerChannelWeight,
+        LinearWeight,
+        NativeW4Weight,
+        TorchInt4Weight,
+    )
 
-    saved = (linear.cpu_quant_linear, w8_linear.cpu_quant_linear, w8_linear.cpu_int8_linear)
+    class ZeroProduct(LinearWeight):
+        def __init__(self, base: Any) -> None:
+            self.base = base
+
+        def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            return torch.zeros(*x.shape[:-1], self.base.prepared.out_features, dtype=self.base.out_dtype or x.dtype)
+
+        def nbytes(self) -> int:
+            return self.base.nbytes()
+
+        def tensors(self) -> list[torch.Tensor]:
+            return self.base.tensors()
+
+    kinds: tuple[type, ...] = {"no layer GEMMs": (W4A16Linear,), "no GEMMs": (W4A16Linear, W8A16Linear)}.get(mode, ())
+    lowbit = (NativeW4Weight, TorchInt4Weight, Int8PerChannelWeight)
+    saved = {m: m.weight_impl for m in model.modules() if isinstance(m, kinds) and isinstance(m.weight_impl, lowbit)}
     try:
-        if mode not in ("replayed", "eager"):
-            linear.cpu_quant_linear = _zeros_like_product
-            if mode == "no GEMMs":
-                w8_linear.cpu_quant_linear = w8_linear.cpu_int8_linear = _zeros_like_product
+        for m, form in saved.items():
+            m.weight_impl = ZeroProduct(form)
         yield
     finally:
-        linear.cpu_quant_linear, w8_linear.cpu_quant_linear, w8_linear.cpu_int8_linear = saved
+        for m, form in saved.items():
+            m.weight_impl = form
 
 
 @contextlib.contextmanager
@@ -142,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeats):
         for batch in args.batch_sizes:
             for mode in MODES:
-                with patched(mode), forward_mode(llm, mode):
+                with patched(llm.llm_engine.model_runner.model, mode), forward_mode(llm, mode):
                     times[batch][mode].append(step_ms(llm, batch, args.steps, args.prompt_len, rng))
 
     rows = []

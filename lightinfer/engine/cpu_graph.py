@@ -54,6 +54,7 @@ from lightinfer.engine.cuda_graph import DecodeGraphRunner
 from lightinfer.engine.step_inputs import StepInputs
 from lightinfer.kernels import cpu_native
 from lightinfer.kernels.native_record import Recording
+from lightinfer.layers.weight_forms import LinearWeight
 
 logger = logging.getLogger("lightinfer")
 
@@ -184,9 +185,10 @@ class _Ranges:
 
 
 def held_tensors(roots: Iterable[Any], depth: int = 4) -> list[torch.Tensor]:
-    """Every tensor reachable from ``roots``: the modules' parameters, buffers and attributes (lightinfer's
-    own objects, such as the CPU weight forms and ``PagedKV`` caches, looked into up to ``depth`` levels),
-    and tensors, tuples, lists and dicts among the roots."""
+    """Every tensor reachable from ``roots``: the modules' parameters, buffers and attributes (the linears'
+    weight forms by what they say they read, ``LinearWeight.tensors()``; lightinfer's other objects, such as a
+    MoE layer's expert copies and ``PagedKV`` caches, looked into up to ``depth`` levels), and tensors, tuples,
+    lists and dicts among the roots."""
     out: list[torch.Tensor] = []
     seen: set[int] = set()
 
@@ -197,6 +199,9 @@ def held_tensors(roots: Iterable[Any], depth: int = 4) -> list[torch.Tensor]:
         if left == 0 or id(obj) in seen or obj is None or isinstance(obj, (int, float, str, bool)):
             return
         seen.add(id(obj))
+        if isinstance(obj, LinearWeight):
+            out.extend(obj.tensors())
+            return
         if isinstance(obj, (list, tuple)):
             items: Iterable[Any] = obj
         elif isinstance(obj, dict):

@@ -41,6 +41,7 @@ from lightinfer.layers.fusion import fuse_model
 from lightinfer.layers.linear import W4A16Linear, W8A16Linear
 from lightinfer.layers.moe import FusedMoE, experts_in_host_memory
 from lightinfer.layers.ops import backend_name
+from lightinfer.layers.weight_forms import weight_form
 from lightinfer.loader import Checkpoint, load_weights
 from lightinfer.models.registry import get_model_class
 
@@ -434,12 +435,12 @@ class ModelRunner:
 
 def resident_weight_bytes(model: torch.nn.Module, device: torch.device) -> tuple[int, int]:
     """``(bytes on device, bytes in host memory)`` the loaded model's weights really hold: its tensors, each
-    storage once (a tied head counts once), plus the forms prepared for the CPU GEMM that replace or join
-    them (``pack_for_cpu``: a low-bit layer's ``_lowbit``, an 8-bit LM head's ``_per_channel``, a dense
-    prepacked ``_packed``, a dequantized ``_dense``; a MoE layer's expert copies, ``FusedMoE.prepared_nbytes``). A tensor on the ``meta`` device (a
-    W4 expert stack released once its CPU copy replaced it, ``FusedMoE.pack_for_cpu``) holds nothing and counts
-    0. On a GPU engine the host part is the input embedding kept on the host and the ``--cpu-experts`` experts
-    (their prepared copies)."""
+    storage once (a tied head counts once), plus what the linears' weight forms hold beside them
+    (``LinearWeight.nbytes()``, ``layers/weight_forms.py``: the forms ``pack_for_cpu`` prepared for the CPU GEMM,
+    which replace or join the layer's tensors) and a MoE layer's expert copies (``FusedMoE.prepared_nbytes``). A
+    tensor on the ``meta`` device (a W4 expert stack released once its CPU copy replaced it,
+    ``FusedMoE.pack_for_cpu``) holds nothing and counts 0. On a GPU engine the host part is the input embedding
+    kept on the host and the ``--cpu-experts`` experts (their prepared copies)."""
     storages = {t.data_ptr(): t for t in model.state_dict().values() if t.device.type != "meta"}
     on_device = host = 0
     for t in storages.values():
@@ -448,7 +449,8 @@ def resident_weight_bytes(model: torch.nn.Module, device: torch.device) -> tuple
         else:
             host += t.numel() * t.element_size()
     for m in model.modules():
-        extra = _cpu_forms_nbytes(m, ("_lowbit", "_packed", "_dense", "_per_channel"))
+        form = weight_form(m)
+        extra = 0 if form is None else form.nbytes()
         if isinstance(m, FusedMoE):  # only experts that compute on the CPU have copies: host memory on a GPU engine
             extra += m.prepared_nbytes()
         if device.type == "cpu":
@@ -460,14 +462,9 @@ def resident_weight_bytes(model: torch.nn.Module, device: torch.device) -> tuple
 
 def dequantized_linear_bytes(model: torch.nn.Module) -> int:
     """Bytes of the copies of the 4-/8-bit linears' weights the CPU path holds in another precision, beside or
-    instead of their codes: dequantized for the fp32 engine's exact GEMM (a prepacked ``_packed`` or a plain
-    ``_dense`` ``[out, in]`` copy), or an 8-bit LM head requantized per row (``_per_channel``);
-    ``linear_nbytes``' ``cpu_dense`` and ``quant_embed.table_cpu_copy_nbytes`` predict them."""
-    return sum(_cpu_forms_nbytes(m, ("_dense", "_packed", "_per_channel")) for m in model.modules()
-               if isinstance(m, (W4A16Linear, W8A16Linear)))
-
-
-def _cpu_forms_nbytes(module: torch.nn.Module, names: tuple[str, ...]) -> int:
-    """Bytes of ``module``'s CPU GEMM forms named ``names`` that it holds (a tensor, a ``PackedWeight`` or a
-    ``CpuQuantWeight``: each has ``nbytes``); absent ones count 0."""
-    return sum(form.nbytes for name in names if (form := getattr(module, name, None)) is not None)
+    instead of their codes: the weight forms that are not the codes in another layout (``LinearWeight.same_codes``
+    False: dequantized for the fp32 engine's exact GEMM, prepacked or plain ``[out, in]``, or an 8-bit LM head
+    requantized per row); ``linear_nbytes``' ``cpu_dense`` and ``quant_embed.table_cpu_copy_nbytes`` predict
+    them."""
+    forms = (weight_form(m) for m in model.modules() if isinstance(m, (W4A16Linear, W8A16Linear)))
+    return sum(form.nbytes() for form in forms if form is not None and not form.same_codes)

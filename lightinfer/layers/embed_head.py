@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightinfer.layers.cpu_gemm import PackedWeight, can_pack
+from lightinfer.layers.weight_forms import LayerDenseWeight, LinearWeight, PackedDenseWeight
 
 
 class VocabEmbedding(nn.Module):
@@ -56,18 +57,17 @@ class LMHead(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
-        self._packed: PackedWeight | None = None
+        # the weight's form (layers/weight_forms.py): the parameter itself, or its oneDNN prepacked copy on a CPU
+        self.weight_impl: LinearWeight = LayerDenseWeight(self)
 
     def pack_for_cpu(self, keep_weight: bool) -> None:
-        """Prepack an fp32 CPU weight for the GEMM (``cpu_gemm``). ``keep_weight``: the weight
-        is tied to the embedding, which still needs it (the packed copy then costs its size
-        again); otherwise it is released."""
+        """Prepack an fp32 CPU weight for the GEMM (``cpu_gemm``, a ``PackedDenseWeight`` form).
+        ``keep_weight``: the weight is tied to the embedding, which still needs it (the packed copy
+        then costs its size again); otherwise it is released."""
         if self.weight is not None and can_pack(self.weight):
-            self._packed = PackedWeight(self.weight)
+            self.weight_impl = PackedDenseWeight(PackedWeight(self.weight))
             if not keep_weight:
                 self.weight = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None:
-            return self._packed(hidden).float()
-        return F.linear(hidden, self.weight).float()
+        return self.weight_impl.forward(hidden, None).float()

@@ -11,13 +11,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lightinfer.kernels import (
-    CpuQuantWeight,
     SplitKPartials,
-    cpu_quant_linear,
     dequantize_w4,
     prepare_w4_cpu,
     repack_awq_to_runtime,
@@ -25,8 +22,16 @@ from lightinfer.kernels import (
 )
 from lightinfer.kernels.cpu_lowbit import lowbit_takes
 from lightinfer.layers.cpu_gemm import PackedWeight, can_pack, use_cpu_lowbit
-from lightinfer.layers.ops import backend_name, ops_for, uses_triton
-from lightinfer.layers.w8_linear import W8A16Linear, check_runtime_tensors, inverse_permutation
+from lightinfer.layers.w8_linear import W8A16Linear, inverse_permutation
+from lightinfer.layers.weight_forms import (
+    LayerDenseWeight,
+    LinearWeight,
+    PackedDenseWeight,
+    W4RuntimeWeight,
+    check_runtime_tensors,
+    dense_weight_form,
+    lowbit_weight,
+)
 
 if TYPE_CHECKING:
     from lightinfer.formats.scheme import LinearFormat
@@ -40,20 +45,19 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
-        self._packed: PackedWeight | None = None
+        # the weight's form (layers/weight_forms.py): the parameter itself, or its oneDNN prepacked copy on a CPU
+        self.weight_impl: LinearWeight = LayerDenseWeight(self)
 
     def pack_for_cpu(self) -> None:
-        """Reorder an fp32 CPU weight once for the prepacked GEMM (``cpu_gemm``); the plain
-        ``weight`` is released (``None``) so memory does not double. No-op elsewhere."""
+        """Reorder an fp32 CPU weight once for the prepacked GEMM (``cpu_gemm``, a ``PackedDenseWeight``
+        form); the plain ``weight`` is released (``None``) so memory does not double. No-op elsewhere."""
         if self.weight is not None and can_pack(self.weight):
-            self._packed = PackedWeight(self.weight)
+            self.weight_impl = PackedDenseWeight(PackedWeight(self.weight))
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in]`` -> ``[..., out]``."""
-        if self._packed is not None:
-            return self._packed(x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.weight_impl.forward(x, self.bias)
 
 
 class W4A16Linear(nn.Module):
@@ -94,9 +98,9 @@ class W4A16Linear(nn.Module):
         # loads it: set by the fusion pass (layers/fusion.py) where the model declares that op takes partials.
         self.defer_reduce = False
         self.integer_zeros = False  # set by load_awq / load_runtime (and the dummy weights) once the zeros are known
-        self._dense: torch.Tensor | None = None  # CPU only: the weight dequantized once, [out, in]
-        self._packed: PackedWeight | None = None  # CPU only: that weight prepacked (cpu_gemm)
-        self._lowbit: CpuQuantWeight | None = None  # CPU only: the 4-bit weight in torch's int4 GEMM layout
+        # the weight's form (layers/weight_forms.py): the run-time tensors through the op backend, until
+        # pack_for_cpu picks the CPU engine's form (low-bit for the C / int4 GEMM, or dequantized)
+        self.weight_impl: LinearWeight = W4RuntimeWeight(self)
         self.rows_read = False  # an embedding reads rows of this table: pack_for_cpu keeps the run-time tensors
 
     @torch.no_grad()
@@ -119,7 +123,7 @@ class W4A16Linear(nn.Module):
         self.scales.copy_(s)
         self.zeros.copy_(z)
         self.integer_zeros = True  # AWQ zero points are 4-bit codes
-        self._dense = self._packed = self._lowbit = None
+        self.weight_impl = W4RuntimeWeight(self)  # new tensors: any prepared form is stale
 
     @torch.no_grad()
     def load_runtime(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -142,7 +146,7 @@ class W4A16Linear(nn.Module):
         self.zeros.copy_(zeros)
         self.integer_zeros = zeros_are_integers(self.zeros)
         self.input_perm = None if input_perm is None else input_perm.to(self.qweight.device, torch.int64)
-        self._dense = self._packed = self._lowbit = None
+        self.weight_impl = W4RuntimeWeight(self)  # new tensors: any prepared form is stale
 
     def dense_weight(self) -> torch.Tensor:
         """The weight ``[out, in]`` in the original input order, in the scales' dtype.
@@ -157,52 +161,38 @@ class W4A16Linear(nn.Module):
         return w
 
     def pack_for_cpu(self) -> None:
-        """Prepare the weight once for the CPU GEMM; no-op on CUDA. With 16-bit activations (and the
-        ``cpu_lowbit`` switch on) it stays 4-bit, in torch's int4 GEMM layout (``kernels.prepare_w4_cpu``);
-        otherwise (fp32 activations: the exact path) it is dequantized once and prepacked for the fp32
-        GEMM (``cpu_gemm``). A low-bit prepared form replaces the run-time tensors (``qweight`` etc. become
-        None: the same codes are not held twice) unless ``rows_read`` (an embedding reads rows of this
-        table); the exact path keeps them beside its dense copy."""
-        if self.qweight is None or self.qweight.is_cuda or self._lowbit is not None or self._packed is not None:
+        """Prepare the weight once for the CPU GEMM, choosing its form (``layers/weight_forms.py``); no-op on
+        CUDA. With 16-bit activations (and the ``cpu_lowbit`` switch on) it stays 4-bit
+        (``kernels.prepare_w4_cpu``: the C product's layout, ``NativeW4Weight``, or torch's int4 GEMM layout,
+        ``TorchInt4Weight``); otherwise (fp32 activations: the exact path, or a shape those kernels cannot take)
+        it is dequantized once and prepacked for the fp32 GEMM (``cpu_gemm``; ``PackedDenseWeight``, or
+        ``DequantizedWeight`` where oneDNN cannot pack it). A low-bit form replaces the run-time tensors
+        (``qweight`` etc. become None: the same codes are not held twice) unless ``rows_read`` (an embedding
+        reads rows of this table); the exact path keeps them beside its dense copy."""
+        if self.qweight is None or self.qweight.is_cuda or self.weight_impl.cpu_prepared:
             return  # (a tied table is reached twice: as the embedding's and as the LM head's)
+        form, runtime = None, W4RuntimeWeight(self)  # runtime: where another backend is forced (weight_forms)
         if use_cpu_lowbit(self.scales.dtype):
-            self._lowbit = prepare_w4_cpu(self.qweight, self.scales, self.zeros, self.input_perm)
-        if self._lowbit is None:
-            dense = self.dense_weight()
-            if can_pack(dense):
-                self._packed = PackedWeight(dense)
-            else:  # kept for the F.linear path rather than dequantized again at every forward
-                self._dense = dense
-        if self._lowbit is not None and not self.rows_read:  # the same codes in another layout: one copy
+            form = lowbit_weight(prepare_w4_cpu(self.qweight, self.scales, self.zeros, self.input_perm), None, runtime)
+        if form is None:
+            self.weight_impl = dense_weight_form(self.dense_weight(), runtime)
+            return
+        self.weight_impl = form
+        if not self.rows_read:  # the same codes in another layout: one copy
             self.qweight = self.scales = self.zeros = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
-        """``x [..., in]`` -> ``[..., out]`` (fp32 accumulation).
+        """``x [..., in]`` -> ``[..., out]`` (fp32 accumulation), by the weight's form (``weight_impl``).
 
-        On the ``torch_cpu`` backend (a CPU engine) the weight prepared by :meth:`pack_for_cpu` (4-bit in
-        torch's int4 GEMM, or the exact dequantized fallback); a layer used unprepared dequantizes once and
-        keeps that. On the ``triton`` and ``reference`` backends the op reads the 4-bit run-time tensors
-        every call (on CUDA that is the point: 4x fewer bytes). With ``defer_reduce`` and a 2-D ``x`` on
-        the Triton path, a split K comes back as unreduced :class:`SplitKPartials`.
+        On a CPU engine, the form :meth:`pack_for_cpu` chose (4-bit for the C product or torch's int4 GEMM, or
+        the exact dequantized fallback; a backend other than ``torch_cpu`` forced on it runs the run-time
+        tensors, where they were kept). Otherwise the run-time tensors through the op backend
+        (``W4RuntimeWeight``): on the ``triton`` and ``reference`` backends the op reads the 4-bit tensors every
+        call (on CUDA that is the point: 4x fewer bytes), and with ``defer_reduce`` and a 2-D ``x`` on the Triton
+        path a split K comes back as unreduced :class:`SplitKPartials`; on ``torch_cpu`` a layer used unprepared
+        dequantizes once and keeps that.
         """
-        shape = x.shape
-        if backend_name(x) == "torch_cpu":
-            if self._lowbit is not None:
-                return cpu_quant_linear(x, self._lowbit, self.bias)
-            if self._packed is not None:
-                return self._packed(x, self.bias)
-            if self._dense is None:
-                self._dense = self.dense_weight()
-            return F.linear(x, self._dense.to(x.dtype), self.bias)
-        check_runtime_tensors(self)
-        if self.input_perm is not None:  # act-order: the stored K order
-            x = x.index_select(-1, self.input_perm)
-        if self.defer_reduce and x.dim() == 2 and uses_triton(x):
-            return ops_for(x).w4a16_gemm(x, self.qweight, self.scales, self.zeros, self.bias, defer_reduce=True,
-                                         integer_zeros=self.integer_zeros)
-        y = ops_for(x).w4a16_gemm(x.reshape(-1, shape[-1]), self.qweight, self.scales, self.zeros, self.bias,
-                                  integer_zeros=self.integer_zeros)
-        return y.reshape(*shape[:-1], self.out_features)
+        return self.weight_impl.forward(x, self.bias)
 
 
 def fuse_linears(layers: list[Linear | W4A16Linear]) -> Linear | W4A16Linear | None:

@@ -10,20 +10,19 @@ fp16, with the file's own values: the codes are the file's, and fp32 holds every
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from lightinfer.kernels import (
-    CpuInt8Weight,
-    CpuQuantWeight,
-    cpu_int8_linear,
-    cpu_quant_linear,
-    dequantize_w8,
-    prepare_w8_cpu,
-    prepare_w8_per_channel_cpu,
+from lightinfer.kernels import dequantize_w8, prepare_w8_cpu, prepare_w8_per_channel_cpu
+from lightinfer.layers.cpu_gemm import use_cpu_lowbit
+from lightinfer.layers.weight_forms import (
+    LinearWeight,
+    W8RuntimeWeight,
+    check_runtime_tensors,
+    dense_weight_form,
+    lowbit_weight,
 )
-from lightinfer.layers.cpu_gemm import PackedWeight, can_pack, use_cpu_lowbit
-from lightinfer.layers.ops import backend_name, ops_for
+
+__all__ = ["W8A16Linear", "check_runtime_tensors", "inverse_permutation"]
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
@@ -31,14 +30,6 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype)
     return inv
-
-
-def check_runtime_tensors(layer: nn.Module) -> None:
-    """Raise RuntimeError when a quantized layer's run-time tensors were released by ``pack_for_cpu``."""
-    if layer.qweight is None:
-        raise RuntimeError(f"{type(layer).__name__} {layer.in_features}->{layer.out_features}: its run-time tensors "
-                           f"were replaced by the CPU engine's prepared weight (pack_for_cpu); the Triton path "
-                           f"and dense_weight() need a layer that was not packed for the CPU")
 
 
 class W8A16Linear(nn.Module):
@@ -74,10 +65,9 @@ class W8A16Linear(nn.Module):
         self.register_buffer("input_perm", None)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.dtype = dtype
-        self._dense: torch.Tensor | None = None  # CPU only: the weight dequantized once, [out, in]
-        self._packed: PackedWeight | None = None
-        self._lowbit: CpuQuantWeight | None = None  # CPU only: the codes in torch's int4 GEMM layout (two halves)
-        self._per_channel: CpuInt8Weight | None = None  # CPU only, an LM head: requantized per row (int8 GEMM)
+        # the weight's form (layers/weight_forms.py): the run-time tensors through the op backend, until
+        # pack_for_cpu picks the CPU engine's form (two int4 halves, per-row int8 for an LM head, or dequantized)
+        self.weight_impl: LinearWeight = W8RuntimeWeight(self)
         self.rows_read = False  # an embedding reads rows of this table: pack_for_cpu keeps the int8 tensors
         self.lm_head = False  # an LM head multiplies by this table (QuantizedLMHead sets it)
 
@@ -103,7 +93,7 @@ class W8A16Linear(nn.Module):
         if zeros is not None:
             self.zeros.copy_(zeros.to(torch.float32))
         self.input_perm = None if input_perm is None else input_perm.to(self.qweight.device, torch.int64)
-        self._dense = self._packed = self._lowbit = self._per_channel = None
+        self.weight_impl = W8RuntimeWeight(self)  # new tensors: any prepared form is stale
 
     def dense_weight(self) -> torch.Tensor:
         """The weight ``[out, in]`` in the original input order, dequantized in fp32.
@@ -118,37 +108,37 @@ class W8A16Linear(nn.Module):
         return w
 
     def pack_for_cpu(self) -> None:
-        """Prepare the weight once for the CPU GEMM, as ``W4A16Linear`` does. With 16-bit activations it stays
-        8-bit: an LM head's table is requantized to one int8 scale per row for torch's int8 GEMM
-        (``kernels.prepare_w8_per_channel_cpu``: the largest product of a step, 1.2-2.8x faster than the
-        halves, module docstring of ``kernels/cpu_lowbit.py``); any other layer becomes two exact 4-bit halves in
-        torch's int4 GEMM layout (``kernels.prepare_w8_cpu``). The prepared form replaces the int8 tensors,
-        except in a table an embedding reads (``rows_read``: a tied Q8_0 embedding / LM head), which keeps them
-        and dequantizes the rows it is asked for: the file's values. With fp32 activations (or a shape those
-        kernels cannot take) the weight is dequantized once, in the activation dtype, and prepacked. No-op on
-        CUDA."""
-        if self.qweight is None or self.qweight.is_cuda or self._prepared():
+        """Prepare the weight once for the CPU GEMM, choosing its form (``layers/weight_forms.py``), as
+        ``W4A16Linear`` does. With 16-bit activations it stays 8-bit: an LM head's table is requantized to one
+        int8 scale per row for the int8 GEMM (``kernels.prepare_w8_per_channel_cpu``, ``Int8PerChannelWeight``:
+        the largest product of a step, 1.2-2.8x faster than the halves, module docstring of
+        ``kernels/cpu_lowbit.py``); any other layer becomes two exact 4-bit halves in torch's int4 GEMM layout
+        (``kernels.prepare_w8_cpu``, ``TorchInt4Weight``). The prepared form replaces the int8 tensors, except in
+        a table an embedding reads (``rows_read``: a tied Q8_0 embedding / LM head), which keeps them and
+        dequantizes the rows it is asked for: the file's values. With fp32 activations (or a shape those kernels
+        cannot take) the weight is dequantized once, in the activation dtype, and prepacked
+        (``PackedDenseWeight``, or ``DequantizedWeight``). An LM head's forms give fp32 logits. No-op on CUDA."""
+        if self.qweight is None or self.qweight.is_cuda or self.weight_impl.cpu_prepared:
             return  # (a tied table is reached twice: as the embedding's and as the LM head's)
+        # an LM head's logits in fp32: rounded to bf16 (steps of 0.125 at 16-32) near-equal tokens tie, and the
+        # greedy pick falls to the lower id (SmolLM2 answered 'L'Étoile...' to the README's question)
+        out_dtype = torch.float32 if self.lm_head else None
+        form, runtime = None, W8RuntimeWeight(self)  # runtime: where another backend is forced (weight_forms)
         if use_cpu_lowbit(self.dtype):
             if self.lm_head:
-                self._per_channel = prepare_w8_per_channel_cpu(self.qweight, self.scales, self.zeros,
-                                                               self.input_perm)
-            if self._per_channel is None and self.rows_read and not self.lm_head:
+                form = lowbit_weight(prepare_w8_per_channel_cpu(self.qweight, self.scales, self.zeros,
+                                                                self.input_perm), out_dtype, runtime)
+            if form is None and self.rows_read and not self.lm_head:
                 return  # only read as rows (an untied embedding): nothing multiplies by it
-            if self._per_channel is None:
-                self._lowbit = prepare_w8_cpu(self.qweight, self.scales, self.zeros, self.input_perm)
-        if self._lowbit is None and self._per_channel is None:
-            dense = self.dense_weight().to(self.dtype)
-            if can_pack(dense):
-                self._packed = PackedWeight(dense)
-            else:
-                self._dense = dense
+            if form is None:
+                form = lowbit_weight(prepare_w8_cpu(self.qweight, self.scales, self.zeros, self.input_perm),
+                                     out_dtype, runtime)
+        if form is None:
+            self.weight_impl = dense_weight_form(self.dense_weight().to(self.dtype), runtime)
             return
+        self.weight_impl = form
         if not self.rows_read:
             self.qweight = self.scales = self.zeros = None  # the same codes in another layout: one copy
-
-    def _prepared(self) -> bool:
-        return any(f is not None for f in (self._lowbit, self._packed, self._per_channel, self._dense))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (int64 ``[T]``) of the weight ``[T, in]`` (the embedding's lookup), dequantized from the
@@ -163,31 +153,13 @@ class W8A16Linear(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        """Where the weight lives (its int8 codes, or the forms the CPU engine prepared)."""
-        held = (self.qweight, self._dense, None if self._lowbit is None else self._lowbit.packed,
-                None if self._per_channel is None else self._per_channel.qweight)
-        return next(t for t in held if t is not None).device
+        """Where the weight lives (its int8 codes, or the form the CPU engine prepared)."""
+        if self.qweight is not None:
+            return self.qweight.device
+        return self.weight_impl.tensors()[0].device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., in]`` -> ``[..., out]`` (fp32 accumulation): the prepared weight on the ``torch_cpu``
-        backend, the op over the int8 run-time tensors on ``triton`` / ``reference`` (as ``W4A16Linear``)."""
-        if backend_name(x) == "torch_cpu":
-            # an LM head's logits in fp32: rounded to bf16 (steps of 0.125 at 16-32) near-equal tokens tie,
-            # and the greedy pick falls to the lower id (SmolLM2 answered 'L'Étoile...' to the README's question)
-            out_dtype = torch.float32 if self.lm_head else None
-            if self._per_channel is not None:
-                return cpu_int8_linear(x, self._per_channel, self.bias, out_dtype=out_dtype)
-            if self._lowbit is not None:
-                return cpu_quant_linear(x, self._lowbit, self.bias, out_dtype=out_dtype)
-            if self._packed is not None:
-                return self._packed(x, self.bias)
-            if self._dense is None:
-                self._dense = self.dense_weight().to(self.dtype)
-            return F.linear(x, self._dense.to(x.dtype), self.bias)
-        check_runtime_tensors(self)
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if self.input_perm is not None:
-            x2 = x2.index_select(1, self.input_perm)
-        y = ops_for(x2).w8a16_gemm(x2.contiguous(), self.qweight, self.scales, self.zeros, self.bias)
-        return y.reshape(*shape[:-1], self.out_features)
+        """``x [..., in]`` -> ``[..., out]`` (fp32 accumulation), by the weight's form (``weight_impl``): the one
+        :meth:`pack_for_cpu` chose on a CPU engine, else the op over the int8 run-time tensors on ``triton`` /
+        ``reference`` (as ``W4A16Linear``; a layer used unprepared on ``torch_cpu`` dequantizes once)."""
+        return self.weight_impl.forward(x, self.bias)

@@ -16,6 +16,7 @@ from lightinfer import LLM, SamplingParams
 from lightinfer.engine.model_runner import dequantized_linear_bytes, resident_weight_bytes
 from lightinfer.layers.moe import FusedMoE
 from lightinfer.layers.ops import use_backend
+from lightinfer.layers.weight_forms import weight_form
 from lightinfer.models.registry import get_model_class
 from tests.models.test_moe_parity import moe_checkpoint
 
@@ -36,15 +37,12 @@ def _copy_bytes(m: FusedMoE) -> int:
 
 def _real_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's parameters and buffers that hold memory (meta tensors: none), each storage once, and
-    of the linears' CPU GEMM forms (``pack_for_cpu``: ``_packed``, ``_lowbit``, ``_dense``); not the experts'."""
+    of what the linears' weight forms hold beside them (``LinearWeight.nbytes``); not the experts'."""
     tensors = {t.data_ptr(): t for t in model.state_dict().values() if not t.is_meta}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     for m in model.modules():
-        for form in (getattr(m, name, None) for name in ("_packed", "_lowbit", "_dense")):
-            if isinstance(form, torch.Tensor):
-                total += form.numel() * form.element_size()
-            elif form is not None:
-                total += form.nbytes
+        form = weight_form(m)
+        total += 0 if form is None else form.nbytes()
     return total
 
 

@@ -16,10 +16,12 @@ from lightinfer.kernels import cpu_native, switches
 from lightinfer.kernels.cpu_lowbit import CpuQuantWeight, CpuW4Weight, int4_gemm_available
 from lightinfer.layers.linear import W4A16Linear
 from lightinfer.layers.ops import use_backend
+from lightinfer.layers.weight_forms import NativeW4Weight, PackedDenseWeight, TorchInt4Weight, W4RuntimeWeight
 
 pytestmark = pytest.mark.skipif(not int4_gemm_available(), reason="this torch has no CPU int4 GEMM")
 
 VOCAB = 512
+LOWBIT = (NativeW4Weight, TorchInt4Weight)  # the 4-bit forms a CPU engine prepares
 PROMPTS = [[random.Random(n).randrange(VOCAB) for _ in range(n)] for n in (5, 19, 40)]
 
 
@@ -47,9 +49,9 @@ def test_auto_dtype_keeps_4bit_layers_low_bit(tiny: str) -> None:
     llm = _llm(tiny)
     assert llm.llm_engine.config.torch_dtype == torch.bfloat16
     layers = _w4_layers(llm)
-    assert layers and all(m._lowbit is not None and m.qweight is None for m in layers)  # one copy, 4-bit
+    assert layers and all(isinstance(m.weight_impl, LOWBIT) and m.qweight is None for m in layers)  # one copy, 4-bit
     dense_bytes = sum(m.in_features * m.out_features * 2 for m in layers)
-    assert sum(m._lowbit.nbytes for m in layers) < 0.35 * dense_bytes
+    assert sum(m.weight_impl.nbytes() for m in layers) < 0.35 * dense_bytes
 
 
 def _check_greedy_close(runs_a: list, runs_b: list) -> int:
@@ -81,13 +83,13 @@ def test_greedy_equals_the_reference_twin(tiny: str, product: str) -> None:
     with switches.override(cpu_w4=product):
         fast = _llm(tiny)
     kind = CpuW4Weight if product == "c" else CpuQuantWeight
-    assert all(type(m._lowbit) is kind and not getattr(m._lowbit, "int8_activations", False)
+    assert all(type(m.weight_impl.prepared) is kind and not getattr(m.weight_impl.prepared, "int8_activations", False)
                for m in _w4_layers(fast))
     fast_out = [o.outputs[0] for o in fast.generate(PROMPTS, params, use_tqdm=False)]
     fast_logits = fast.llm_engine.prompt_logits(PROMPTS[2])
     with use_backend("reference"):
         twin = _llm(tiny)
-        assert all(m._lowbit is None and m.qweight is not None for m in _w4_layers(twin))  # not prepared
+        assert all(type(m.weight_impl) is W4RuntimeWeight and m.qweight is not None for m in _w4_layers(twin))
         twin_out = [o.outputs[0] for o in twin.generate(PROMPTS, params, use_tqdm=False)]
         twin_logits = twin.llm_engine.prompt_logits(PROMPTS[2])
     assert _check_greedy_close(fast_out, twin_out) >= 0.5 * sum(len(o.token_ids) for o in twin_out)
@@ -108,7 +110,8 @@ def test_int8_activations_keep_the_reference_twins_answers(tiny: str) -> None:
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
     with switches.override(cpu_w4="int8"):
         fast = _llm(tiny)
-    assert all(isinstance(m._lowbit, CpuW4Weight) and m._lowbit.int8_activations for m in _w4_layers(fast))
+    assert all(isinstance(m.weight_impl, NativeW4Weight) and m.weight_impl.prepared.int8_activations
+               for m in _w4_layers(fast))
     fast_out = [o.outputs[0] for o in fast.generate(PROMPTS, params, use_tqdm=False)]
     fast_logits = fast.llm_engine.prompt_logits(PROMPTS[2])
     with use_backend("reference"):
@@ -124,9 +127,9 @@ def test_the_exact_path_is_selectable(tiny: str) -> None:
     with switches.override(cpu_lowbit=False):
         llm = _llm(tiny)
     assert llm.llm_engine.config.torch_dtype == torch.float32
-    assert all(m._lowbit is None and m._packed is not None for m in _w4_layers(llm))  # dequantized once, fp32
+    assert all(isinstance(m.weight_impl, PackedDenseWeight) for m in _w4_layers(llm))  # dequantized once, fp32
     exact = _llm(tiny, dtype="float32")
-    assert all(m._lowbit is None for m in _w4_layers(exact))
+    assert all(not isinstance(m.weight_impl, LOWBIT) for m in _w4_layers(exact))
 
 
 def test_dense_checkpoints_stay_fp32_on_cpu(tmp_path: Path) -> None:

@@ -10,6 +10,16 @@ from lightinfer.kernels.cpu_lowbit import int4_gemm_available, int8_per_channel_
 from lightinfer.layers.linear import W4A16Linear
 from lightinfer.layers.quant_embed import QuantizedLMHead, QuantizedVocabEmbedding
 from lightinfer.layers.w8_linear import W8A16Linear
+from lightinfer.layers.weight_forms import (
+    DequantizedWeight,
+    Int8PerChannelWeight,
+    NativeW4Weight,
+    PackedDenseWeight,
+    TorchInt4Weight,
+    W8RuntimeWeight,
+)
+
+LOWBIT = (NativeW4Weight, TorchInt4Weight)
 
 pytestmark = pytest.mark.skipif(not int4_gemm_available(), reason="this torch has no CPU int4 GEMM")
 
@@ -40,7 +50,7 @@ def test_w4_stays_4bit_with_bf16_activations_and_replaces_its_runtime_tensors() 
     x = torch.randn(5, 128, generator=gen).bfloat16()
     want = torch.nn.functional.linear(x.float(), layer.dense_weight().float(), layer.bias.float())
     layer.pack_for_cpu()
-    assert layer._lowbit is not None and layer.qweight is None and layer._dense is None
+    assert isinstance(layer.weight_impl, LOWBIT) and layer.qweight is None
     _close(layer(x), want)
     with pytest.raises(RuntimeError, match="pack_for_cpu"):
         layer.dense_weight()
@@ -52,7 +62,8 @@ def test_fp32_activations_take_the_exact_dense_path() -> None:
     x = torch.randn(3, 128, generator=gen)
     want = torch.nn.functional.linear(x, layer.dense_weight(), layer.bias)
     layer.pack_for_cpu()
-    assert layer._lowbit is None and layer.qweight is not None  # the 4-bit tensors stay beside the dense copy
+    assert isinstance(layer.weight_impl, (PackedDenseWeight, DequantizedWeight))
+    assert layer.qweight is not None  # the 4-bit tensors stay beside the dense copy
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
 
 
@@ -66,15 +77,14 @@ def test_a_tied_table_keeps_the_files_rows_and_its_head_is_requantized_per_row()
     weight = table.dense_weight()
     head.pack_for_cpu(keep_weight=True)
     # the codes stay (the embedding reads them), the head multiplies by its per-row int8 copy, no 16-bit copy
-    assert table.qweight is not None and table._per_channel is not None
-    assert table._lowbit is None and table._dense is None
-    assert table._per_channel.nbytes == int8_per_channel_nbytes(256, 64)
+    assert table.qweight is not None and isinstance(table.weight_impl, Int8PerChannelWeight)
+    assert table.weight_impl.nbytes() == int8_per_channel_nbytes(256, 64)
     assert torch.equal(embedding(ids), rows_before)  # the file's rows, exactly
     for rows in (1, 7, 20):
         x = torch.randn(rows, 64, generator=gen).bfloat16()
         _close(head(x), x.float() @ weight.t())
     # per-row requantization: every weight within half a step of the row's int8 scale
-    pc = table._per_channel
+    pc = table.weight_impl.prepared
     step = pc.scales.float().unsqueeze(1)
     assert bool(((pc.qweight.float() * step - weight).abs() <= 0.5 * step + 1e-6).all())
 
@@ -88,9 +98,9 @@ def test_an_untied_w8_head_holds_only_its_per_row_copy_and_an_embedding_only_tab
     rows_before = embedding(torch.tensor([3, 9]))
     head.pack_for_cpu(keep_weight=False)
     embed_table.pack_for_cpu()
-    assert head_table.qweight is None and head_table._per_channel is not None and head_table._lowbit is None
-    assert embed_table.qweight is not None and embed_table._lowbit is None and embed_table._per_channel is None
-    assert embed_table._dense is None and torch.equal(embedding(torch.tensor([3, 9])), rows_before)
+    assert head_table.qweight is None and isinstance(head_table.weight_impl, Int8PerChannelWeight)
+    assert embed_table.qweight is not None and type(embed_table.weight_impl) is W8RuntimeWeight  # not prepared
+    assert embed_table.weight_impl.nbytes() == 0 and torch.equal(embedding(torch.tensor([3, 9])), rows_before)
     x = torch.randn(4, 64, generator=gen).bfloat16()
     _close(head(x), x.float() @ weight.t())
 
@@ -103,7 +113,7 @@ def test_a_head_whose_inputs_the_int8_gemm_cannot_take_keeps_the_exact_halves() 
     head = QuantizedLMHead(table)
     weight = table.dense_weight()
     head.pack_for_cpu(keep_weight=False)
-    assert table._per_channel is None and table._lowbit is not None and table._lowbit.num_splits == 2
+    assert isinstance(table.weight_impl, TorchInt4Weight) and table.weight_impl.prepared.num_splits == 2
     x = torch.randn(3, 96, generator=gen).bfloat16()
     _close(head(x), x.float() @ weight.t())
 
@@ -112,4 +122,4 @@ def test_w8_without_an_embedding_holds_one_copy() -> None:
     gen = torch.Generator().manual_seed(3)
     layer = _w8(torch.bfloat16, gen, n=64)
     layer.pack_for_cpu()
-    assert layer.qweight is None and layer._dense is None and layer._lowbit is not None
+    assert layer.qweight is None and isinstance(layer.weight_impl, TorchInt4Weight)

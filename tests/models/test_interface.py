@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 
+from lightinfer.layers.weight_forms import PackedDenseWeight
 from lightinfer.models.base import CausalLM
 from lightinfer.models.llama import head_dim_of
 from lightinfer.models.registry import MODEL_REGISTRY, get_model_class, quantizable_architectures
@@ -154,6 +155,6 @@ def test_pack_for_cpu_packs_every_linear_and_keeps_a_tied_head() -> None:
     linears = [m for m in model.modules() if type(m).__name__ == "Linear"]
     assert len(linears) == 14
     model.pack_for_cpu()
-    assert all(m._packed is not None and m.weight is None for m in linears)
-    assert model.lm_head._packed is not None
+    assert all(isinstance(m.weight_impl, PackedDenseWeight) and m.weight is None for m in linears)
+    assert isinstance(model.lm_head.weight_impl, PackedDenseWeight)
     assert model.lm_head.weight is model.embed_tokens.weight  # the embedding still reads it
