@@ -286,6 +286,8 @@ class CpuInt8Weight:
         qweight: int8 ``[N, K]``, ``W[n, k] ~= qweight[n, k] * scales[n]``.
         scales: bf16 ``[N]``.
         input_perm: None, or int64 ``[K]``: the stored K order is ``x[..., input_perm]`` (act-order).
+        torch_product: multiplied by torch's ``_weight_int8pack_mm``, not the C product: the ``cpu_w4``
+            switch was ``torch`` when it was prepared (decided then, so that an engine keeps its own setting).
     """
 
     out_features: int
@@ -293,6 +295,7 @@ class CpuInt8Weight:
     qweight: torch.Tensor
     scales: torch.Tensor
     input_perm: torch.Tensor | None = None
+    torch_product: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -329,20 +332,22 @@ def prepare_w8_per_channel(qweight: torch.Tensor, scales: torch.Tensor, zeros: t
         s = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny).to(COMPUTE_DTYPE)
         codes[a:b] = torch.round(w / s.to(torch.float32).unsqueeze(1)).clamp(-127, 127).to(torch.int8)
         row_scales[a:b] = s
-    return CpuInt8Weight(n, k, codes, row_scales, None if input_perm is None else input_perm.to(torch.int64))
+    return CpuInt8Weight(n, k, codes, row_scales, None if input_perm is None else input_perm.to(torch.int64),
+                         switches.current().cpu_w4 == "torch")
 
 
 def int8_linear(x: torch.Tensor, weight: CpuInt8Weight, bias: torch.Tensor | None = None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``y = x @ W^T (+ bias)`` for a :class:`CpuInt8Weight`: ``x [..., K]`` float -> ``[..., N]`` in
     ``out_dtype`` (default ``x.dtype``; fp32 for an LM head's logits), fp32 accumulation. The C product of
-    ``cpu_native.w8_linear`` (x held as int16 per row) where the C library builds and ``LIGHTINFER_CPU_W4`` is
-    not ``torch``; else torch's ``_weight_int8pack_mm`` (x cast to bf16, its output bf16)."""
+    ``cpu_native.w8_linear`` (x held as int16 per row) where the C library builds and the weight was not prepared
+    for torch's product (``LIGHTINFER_CPU_W4=torch``: ``weight.torch_product``); else torch's
+    ``_weight_int8pack_mm`` (x cast to bf16, its output bf16)."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if weight.input_perm is not None:
         x2 = x2.index_select(1, weight.input_perm)
     out_dtype = out_dtype or x.dtype
-    if switches.current().cpu_w4 != "torch" and x2.dtype in (torch.float32, torch.bfloat16) and \
+    if not weight.torch_product and x2.dtype in (torch.float32, torch.bfloat16) and \
             out_dtype in (torch.float32, torch.bfloat16):
         b = None if bias is None else bias.to(torch.float32)
         y = cpu_native.w8_linear(x2.contiguous(), weight.qweight, weight.scales, b, out_dtype)

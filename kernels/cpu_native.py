@@ -62,11 +62,43 @@ from .native_record import Recording
 from .paged_kv import PagedKV
 from .step_memo import step_memo
 
-__all__ = ["FLAGS", "HEADERS", "NATIVE_DIR", "SOURCES", "NativeBuildError", "NativeOps", "Recording", "THREADED_OPS", "add_rms_norm",
-           "amx_available", "argmax_rows", "attend_decode", "bf16_gemm_native", "build", "build_flags", "cache_dir",
-           "cpu_flags", "declined", "dense_gemm_dtype", "dense_path_native", "dense_rows", "descriptor_args",
-           "find_compiler", "kv_descriptor", "library", "pack_calls", "pointer_args", "qk_norm_", "recording",
-           "rope_store", "silu_mul", "user_cache_dir", "w4_linear", "w4_pack", "w8_linear"]
+__all__ = [
+    "FLAGS",
+    "HEADERS",
+    "NATIVE_DIR",
+    "SOURCES",
+    "THREADED_OPS",
+    "NativeBuildError",
+    "NativeOps",
+    "Recording",
+    "add_rms_norm",
+    "amx_available",
+    "argmax_rows",
+    "attend_decode",
+    "bf16_gemm_native",
+    "build",
+    "build_flags",
+    "cache_dir",
+    "cpu_flags",
+    "declined",
+    "dense_gemm_dtype",
+    "dense_path_native",
+    "dense_rows",
+    "descriptor_args",
+    "find_compiler",
+    "kv_descriptor",
+    "library",
+    "pack_calls",
+    "pointer_args",
+    "qk_norm_",
+    "recording",
+    "rope_store",
+    "silu_mul",
+    "user_cache_dir",
+    "w4_linear",
+    "w4_pack",
+    "w8_linear",
+]
 
 logger = logging.getLogger("lightinfer")
 

@@ -1,40 +1,23 @@
 """The kernel switches: every ``LIGHTINFER_*`` environment variable the kernels and backends obey, read once.
 
-=============================  ==================================================================
-``LIGHTINFER_BACKEND``         force one op backend for every tensor: ``triton``, ``torch_cpu`` or
-                               ``reference`` (unset: Triton on CUDA, ``torch_cpu`` elsewhere;
-                               ``lightinfer.layers.ops`` decides)
-``LIGHTINFER_F16_DECODE=0``    tensor-core and dequant W4 kernels decode fp16 weights in fp32
-                               (to compare the two decodes on a GPU)
-``LIGHTINFER_PDL=0``           no programmatic dependent launch (``pdl.py``)
-``LIGHTINFER_PDL_PREFETCH=0``  PDL without the W4 GEMMs' L2 prefetch of their first weights
-``LIGHTINFER_W4A16_CONFIGS``   a tuned-config file used whatever the GPU, or ``none`` for the
-                               built-in launches everywhere (``w4a16_tuning.py``)
-``LIGHTINFER_CPU_LOWBIT=0``    on a CPU, 4-/8-bit layers are dequantized once into dense weights
-                               instead of staying low-bit for torch's int4 GEMM (``cpu_lowbit.py``):
-                               the exact path, 4-8x the memory
-``LIGHTINFER_CPU_NATIVE=0``    on a CPU, norms, RoPE + KV store, decode attention and SiLU·mul run
-                               as torch ops instead of the C ops compiled at first use
-                               (``cpu_native.py``), and 4-bit layers use torch's int4 GEMM
-``LIGHTINFER_CPU_W4``          on a CPU, the product of 4-bit layers (``cpu_lowbit.py``): ``c``
-                               (default: the C product, activations int16 per block of 32), ``int8``
-                               (the same with activations int8 per block of 32) or ``torch``
-                               (torch's int4 GEMM, bf16 activations; also torch's int8 GEMM for an
-                               8-bit LM head, which the C product takes otherwise)
-``LIGHTINFER_CPU_AMX=0``       on a CPU with AMX, 4-bit products of 5 rows or more (prefills, decode
-                               batches) run as without AMX instead of on its tiles: the block
-                               products below 24 rows, the weight dequantized for torch's bf16 GEMM
-                               from 24 (``cpu_native.w4_linear``)
-``LIGHTINFER_CPU_MARCH``       the ``-march`` the CPU's C ops are built for (default ``native``),
-                               e.g. ``haswell`` for an AVX2-only build on a newer CPU; the paths
-                               that need bf16 or AMX instructions then follow what that target has,
-                               not this CPU (``cpu_native.cpu_flags``)
-=============================  ==================================================================
+Each field of :class:`KernelSwitches` carries its variable, its role and what it does (the table of
+:func:`markdown_table`, which ``docs/architecture.md`` and ``kernels/README.md`` hold between
+``<!-- switches:begin -->`` / ``<!-- switches:end -->``; ``tests/test_docs_switches.py`` fails when they drift,
+and :func:`write_tables` rewrites them). The roles:
+
+* ``engine``: a setting that changes an engine's results or memory. It is also an ``EngineConfig`` field and a
+  CLI flag (``lightinfer.config``): the engine decides it once at start (the field, else this variable, else the
+  default) and prepares its weights under it (:func:`override`), so engines built with different settings in one
+  process each keep their own. The variable is the default of engines that leave the field unset, and the
+  switch of kernels called outside an engine (tests, benchmarks).
+* ``measure``: an A/B knob for comparing two implementations of the same result (within rounding) in tests and
+  benchmarks; process-wide.
+* ``build``: how the process builds its C ops (once per process): process-wide, an environment variable only.
 
 The environment is read at the first :func:`current` call and never again: a launch costs a dict
 lookup, not an ``os.environ`` read per switch. :func:`reload` re-reads it (a test or benchmark that
 changes a variable in-process); :func:`override` sets switches for a ``with`` block without touching
-the environment (benchmarks comparing settings in one run).
+the environment (benchmarks comparing settings in one run; an engine preparing its weights).
 """
 
 from __future__ import annotations
@@ -44,7 +27,7 @@ import dataclasses
 import os
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 BACKEND_ENV = "LIGHTINFER_BACKEND"
 F16_DECODE_ENV = "LIGHTINFER_F16_DECODE"
@@ -60,9 +43,18 @@ BACKEND_NAMES = ("triton", "torch_cpu", "reference")
 CPU_W4_NAMES = ("c", "int8", "torch")
 
 
+ROLES = ("engine", "measure", "build")
+
+
+def _switch(default: object, env: str, role: str, values: str, effect: str) -> object:
+    """A :class:`KernelSwitches` field with its variable, role (:data:`ROLES`), the values the variable takes and
+    what it does, as the docs table shows them (:func:`markdown_table`)."""
+    return field(default=default, metadata={"env": env, "role": role, "values": values, "effect": effect})
+
+
 @dataclass(frozen=True)
 class KernelSwitches:
-    """One reading of the switches (module docstring).
+    """One reading of the switches (module docstring; each field's ``metadata`` holds its variable, role and effect).
 
     Attributes:
         backend: the forced op backend (one of :data:`BACKEND_NAMES`), or None to choose by device.
@@ -80,16 +72,47 @@ class KernelSwitches:
         cpu_march: the ``-march`` target of the C ops (``"native"``: this CPU).
     """
 
-    backend: str | None = None
-    f16_decode: bool = True
-    pdl: bool = True
-    pdl_prefetch: bool = True
-    w4a16_configs: str | None = None
-    cpu_lowbit: bool = True
-    cpu_native: bool = True
-    cpu_w4: str = "c"
-    cpu_amx: bool = True
-    cpu_march: str = "native"
+    backend: str | None = _switch(
+        None, BACKEND_ENV, "measure", "`triton`, `torch_cpu`, `reference`",
+        "one op backend for every tensor (unset: `triton` on CUDA, `torch_cpu` elsewhere; `lightinfer.layers.ops` "
+        "decides); tests run a model's GPU path on the CPU interpreter, or the naive twins, with it")
+    f16_decode: bool = _switch(
+        True, F16_DECODE_ENV, "measure", "`0`",
+        "tensor-core and dequant W4 kernels decode fp16 weights in fp32, not as fp16 pairs (to compare the two "
+        "decodes on a GPU)")
+    pdl: bool = _switch(True, PDL_ENV, "measure", "`0`", "no programmatic dependent launch (`pdl.py`)")
+    pdl_prefetch: bool = _switch(True, PDL_PREFETCH_ENV, "measure", "`0`",
+                                 "PDL without the W4 GEMMs' L2 prefetch of their first weights")
+    w4a16_configs: str | None = _switch(
+        None, W4A16_CONFIGS_ENV, "measure", "a file, `none`",
+        "a tuned-config file used whatever the GPU, or `none` for the built-in launches everywhere "
+        "(`w4a16_tuning.py`)")
+    cpu_lowbit: bool = _switch(
+        True, CPU_LOWBIT_ENV, "engine", "`0`",
+        "on a CPU, 4-/8-bit layers are dequantized once into dense weights instead of staying low-bit "
+        "(`cpu_lowbit.py`): the exact path, 4-8x the memory, and `dtype=\"auto\"` then means fp32. "
+        "Engine setting `cpu_lowbit=False`, `--no-cpu-lowbit`")
+    cpu_native: bool = _switch(
+        True, CPU_NATIVE_ENV, "measure", "`0`",
+        "on a CPU, norms, RoPE + KV store, decode attention and SiLU·mul run as torch ops instead of the C ops "
+        "compiled at first use (`cpu_native.py`), and 4-bit layers use torch's int4 GEMM: what a machine without "
+        "a C compiler runs")
+    cpu_w4: str = _switch(
+        "c", CPU_W4_ENV, "engine", "`c`, `int8`, `torch`",
+        "on a CPU, the product of 4-bit layers (`cpu_lowbit.py`): `c` (default: the C product, activations int16 "
+        "per block of 32), `int8` (the same with activations int8 per block of 32) or `torch` (torch's int4 GEMM, "
+        "bf16 activations; also torch's int8 GEMM for an 8-bit LM head, which the C product takes otherwise). "
+        "Engine setting `cpu_w4=`, `--cpu-w4`")
+    cpu_amx: bool = _switch(
+        True, CPU_AMX_ENV, "measure", "`0`",
+        "on a CPU with AMX, 4-bit products of 5 rows or more (prefills, decode batches) run as without AMX "
+        "instead of on its tiles: the block products below 24 rows, the weight dequantized for torch's bf16 GEMM "
+        "from 24 (`cpu_native.w4_linear`); the same sums within bf16 rounding")
+    cpu_march: str = _switch(
+        "native", CPU_MARCH_ENV, "build", "a `-march` name",
+        "the `-march` the CPU's C ops are built for (default `native`), e.g. `haswell` for an AVX2-only build on "
+        "a newer CPU; the paths that need bf16 or AMX instructions then follow what that target has, not this "
+        "CPU (`cpu_native.cpu_flags`)")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> KernelSwitches:
@@ -156,14 +179,68 @@ def override(**changes: object) -> Iterator[KernelSwitches]:
 
     Raises:
         TypeError: a name that is not a switch.
-        ValueError: a backend that is not one of :data:`BACKEND_NAMES`.
+        ValueError: a backend that is not one of :data:`BACKEND_NAMES`, a ``cpu_w4`` not one of :data:`CPU_W4_NAMES`.
     """
     global _current
     previous = current()
     if changes.get("backend") not in (None, *BACKEND_NAMES):
         raise ValueError(f"backend {changes['backend']!r} is not one of {', '.join(BACKEND_NAMES)}")
+    if "cpu_w4" in changes and changes["cpu_w4"] not in CPU_W4_NAMES:
+        raise ValueError(f"cpu_w4 {changes['cpu_w4']!r} is not one of {', '.join(CPU_W4_NAMES)}")
     _current = dataclasses.replace(previous, **changes)
     try:
         yield _current
     finally:
         _current = previous
+
+
+def engine_switches() -> tuple[str, ...]:
+    """The names of the switches whose role is ``engine`` (module docstring): each is an ``EngineConfig`` field of
+    the same name, which an engine resolves and applies with :func:`override` while it prepares its weights."""
+    return tuple(f.name for f in fields(KernelSwitches) if f.metadata["role"] == "engine")
+
+
+TABLE_BEGIN = "<!-- switches:begin (generated by lightinfer.kernels.switches.markdown_table; do not edit) -->"
+TABLE_END = "<!-- switches:end -->"
+
+
+def markdown_table() -> str:
+    """The switches as a Markdown table, one row per field of :class:`KernelSwitches` in declaration order:
+    variable, values, role, effect (from the fields' ``metadata``). No trailing newline."""
+    rows = ["| variable | values | role | effect |", "|---|---|---|---|"]
+    for f in fields(KernelSwitches):
+        m = f.metadata
+        rows.append(f"| `{m['env']}` | {m['values']} | {m['role']} | {m['effect']} |")
+    return "\n".join(rows)
+
+
+def replace_table(text: str) -> str:
+    """``text`` with what lies between :data:`TABLE_BEGIN` and :data:`TABLE_END` replaced by :func:`markdown_table`.
+
+    Raises:
+        ValueError: ``text`` lacks the two markers, in that order.
+    """
+    start, end = text.find(TABLE_BEGIN), text.find(TABLE_END)
+    if start < 0 or end < start:
+        raise ValueError(f"no {TABLE_BEGIN!r} ... {TABLE_END!r} block to fill")
+    return text[: start + len(TABLE_BEGIN)] + "\n" + markdown_table() + "\n" + text[end:]
+
+
+def write_tables(paths: list[str]) -> list[str]:
+    """Rewrite the switches table in each Markdown file of ``paths`` (:func:`replace_table`); returns the paths
+    that changed. ``python -c "from lightinfer.kernels import switches; switches.write_tables(['docs/architecture.md',
+    'kernels/README.md'])"`` after a switch changes.
+
+    Raises:
+        ValueError: a file without the markers. OSError: a file that cannot be read or written.
+    """
+    changed = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        new = replace_table(text)
+        if new != text:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(new)
+            changed.append(path)
+    return changed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from lightinfer.kernels import KV_BLOCK_SIZES
+from lightinfer.kernels.switches import CPU_W4_NAMES
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -19,6 +21,7 @@ KV_CACHE_DTYPES = ("auto", "int8")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("awq",)
 CPU_DEFAULT_KV_CACHE_BYTES = 512 * 2**20  # a CPU has no memory profiler of ours: a fixed default
+DEFAULT_MAX_MODEL_LEN = 8192  # max_model_len=None: the model's context, capped here (its KV pool must hold one)
 
 
 # A CPU engine computes one request's prompt in chunks of at most this many tokens (about 3-6 s of a 135M 4-bit
@@ -81,18 +84,35 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def cpu_auto_dtype(quantized: bool) -> torch.dtype:
+def cpu_auto_dtype(quantized: bool, lowbit: bool | None = None) -> torch.dtype:
     """What ``dtype="auto"`` means on a CPU: bf16 for a 4-/8-bit checkpoint where torch's CPU int4 GEMM runs
     (its fast path takes bf16 activations, and the weights then stay low-bit: ``kernels/cpu_lowbit.py``)
-    unless the ``LIGHTINFER_CPU_LOWBIT=0`` switch asks for the exact path; fp32 otherwise (a dense
-    checkpoint, or the exact path: low-bit weights dequantized once to fp32)."""
+    unless ``lowbit`` is False (``EngineConfig.cpu_lowbit``; None: the ``LIGHTINFER_CPU_LOWBIT`` switch) and
+    asks for the exact path; fp32 otherwise (a dense checkpoint, or the exact path: low-bit weights dequantized
+    once to fp32)."""
     from lightinfer.kernels import switches
     from lightinfer.kernels.cpu_lowbit import int4_gemm_available
 
-    if quantized and switches.current().cpu_lowbit and int4_gemm_available() and \
-            torch.backends.cpu.get_cpu_capability() != "DEFAULT":
+    if lowbit is None:
+        lowbit = switches.current().cpu_lowbit
+    if quantized and lowbit and int4_gemm_available() and torch.backends.cpu.get_cpu_capability() != "DEFAULT":
         return torch.bfloat16
     return torch.float32
+
+
+def choose_max_model_len(model_max_len: int, requested: int | None) -> int:
+    """The engine's ``max_model_len`` in tokens: ``requested``, or the model's context ``model_max_len`` capped at
+    :data:`DEFAULT_MAX_MODEL_LEN`.
+
+    Raises:
+        ValueError: ``requested`` exceeds ``model_max_len`` (the message gives the limit).
+    """
+    if requested is None:
+        return min(int(model_max_len), DEFAULT_MAX_MODEL_LEN)
+    if requested > model_max_len:
+        raise ValueError(f"max_model_len={requested} exceeds what this model supports ({model_max_len}: "
+                         f"max_position_embeddings, with its RoPE scaling); use at most {model_max_len}")
+    return int(requested)
 
 
 @dataclass
@@ -142,6 +162,17 @@ class EngineConfig:
             fixes it. ``"auto"`` (the default; None means the same): ``OMP_NUM_THREADS`` when set, else the cores
             this process may run on (``os.sched_getaffinity``), fewer while other processes keep some of them
             busy, measured every quarter second (``engine/cpu_threads.py``).
+        cpu_lowbit: CPU engines with 16-bit activations keep 4-/8-bit layers low-bit (True) or dequantize them
+            once into dense weights (False: the exact path, 4-8x the weights' memory; ``dtype="auto"`` then
+            means fp32). None = the ``LIGHTINFER_CPU_LOWBIT`` environment switch (default True).
+        cpu_w4: CPU engines' product of 4-bit layers: "c" (the C product, activations int16 per block of 32),
+            "int8" (activations int8 per block of 32: faster, each layer's output moves by ~1%) or "torch"
+            (torch's int4 GEMM with bf16 activations, and its int8 GEMM for an 8-bit LM head). None = the
+            ``LIGHTINFER_CPU_W4`` environment switch (default "c"). ``kernels/switches.py``.
+
+    :meth:`resolve` turns the settings and the checkpoint's facts into a resolved, frozen config: every "auto"
+    and None decided (``dtype``, ``device``, ``max_model_len``, ``cpu_lowbit``, ``cpu_w4``), before anything is
+    built; the engine, the model runner and all after them read only that one.
     """
 
     model: str
@@ -167,6 +198,15 @@ class EngineConfig:
     embedding_on_host: bool | None = None
     cpu_experts: int = 0
     threads: int | str | None = "auto"
+    cpu_lowbit: bool | None = None
+    cpu_w4: str | None = None
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if self.__dict__.get("_frozen"):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot set {name}: this EngineConfig is resolved and frozen (EngineConfig.resolve); "
+                f"change the settings with dataclasses.replace(config, {name}=...) and build a new engine")
+        object.__setattr__(self, name, value)
 
     def __post_init__(self) -> None:
         if isinstance(self.cpu_experts, bool) or not isinstance(self.cpu_experts, int) or self.cpu_experts < 0:
@@ -205,6 +245,12 @@ class EngineConfig:
                                        or self.threads < 1):
             raise ValueError(f"threads must be a positive number of CPU threads or 'auto' (the usable cores, fewer "
                              f"while other processes keep them busy), got {self.threads!r}")
+        if self.cpu_lowbit is not None and not isinstance(self.cpu_lowbit, bool):
+            raise ValueError(f"cpu_lowbit must be True (4-/8-bit layers stay low-bit on a CPU), False (dequantized "
+                             f"once: the exact path) or None (the LIGHTINFER_CPU_LOWBIT switch), got {self.cpu_lowbit!r}")
+        if self.cpu_w4 is not None and self.cpu_w4 not in CPU_W4_NAMES:
+            raise ValueError(f"cpu_w4 must be one of {', '.join(CPU_W4_NAMES)} (the CPU's 4-bit product) or None "
+                             f"(the LIGHTINFER_CPU_W4 switch, default c), got {self.cpu_w4!r}")
         self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
         self.max_vram = parse_bytes(self.max_vram)
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
@@ -213,3 +259,47 @@ class EngineConfig:
         self.torch_dtype = resolve_dtype(self.dtype, self.torch_device)
         if self.long_prefill_token_threshold is None:
             self.long_prefill_token_threshold = CPU_LONG_PREFILL_TOKENS if self.torch_device.type == "cpu" else 0
+
+    @property
+    def resolved(self) -> bool:
+        """Whether this config came out of :meth:`resolve` (every automatic setting decided; frozen)."""
+        return bool(self.__dict__.get("_frozen"))
+
+    def resolve(self, *, model_max_len: int, quantized: bool) -> EngineConfig:
+        """A resolved, frozen copy of this config (this one is left as it is): ``dtype`` the dtype's name
+        (:func:`resolve_dtype`; on a CPU :func:`cpu_auto_dtype` for "auto"), ``device`` the device with its
+        index, ``max_model_len`` a number of tokens (:func:`choose_max_model_len`), ``cpu_lowbit`` and
+        ``cpu_w4`` the value in force (the field, else the environment switch), ``long_prefill_token_threshold``
+        a number. ``torch_dtype`` / ``torch_device`` as ever. Resolving a resolved config returns it.
+
+        Args:
+            model_max_len: the checkpoint's context in tokens (``max_position_embeddings`` with its RoPE
+                scaling: ``layers.rope_scaling.rope_max_positions``).
+            quantized: the checkpoint's linears are 4-/8-bit (it has a quantization config).
+        Raises:
+            ValueError: ``max_model_len`` beyond ``model_max_len``.
+        """
+        if self.resolved:
+            return self
+        from lightinfer.kernels import switches
+
+        env = switches.current()
+        cpu_lowbit = env.cpu_lowbit if self.cpu_lowbit is None else self.cpu_lowbit
+        cpu_w4 = env.cpu_w4 if self.cpu_w4 is None else self.cpu_w4
+        dtype = self.torch_dtype
+        if self.dtype == "auto" and self.torch_device.type == "cpu":  # known once the checkpoint is open
+            dtype = cpu_auto_dtype(quantized, cpu_lowbit)
+        name = str(dtype).replace("torch.", "")
+        out = dataclasses.replace(
+            self, dtype=name if name in _DTYPES else dtype, device=str(self.torch_device),
+            max_model_len=choose_max_model_len(model_max_len, self.max_model_len),
+            cpu_lowbit=cpu_lowbit, cpu_w4=cpu_w4)
+        object.__setattr__(out, "_frozen", True)
+        return out
+
+    def kernel_switches(self) -> dict[str, object]:
+        """The engine-role kernel switches (``kernels/switches.py``) this config sets: ``{name: value}`` for
+        ``switches.override`` while the engine prepares its weights; a None (unresolved) field is left out."""
+        from lightinfer.kernels import switches
+
+        return {n: v for n in switches.engine_switches() if (v := getattr(self, n)) is not None}

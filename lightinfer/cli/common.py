@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from lightinfer.kernels.switches import CPU_W4_NAMES
+
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every flag's help ends with its default: "(default: X)" is added unless the text already says
@@ -60,6 +62,14 @@ def add_engine_args(p: argparse.ArgumentParser, kv_cache_dtype: str | None = "au
                         "the cores this process may use, fewer while other processes keep some of them busy "
                         "(measured as it serves, so threads never wait for a core another process holds); a "
                         "number fixes the count")
+    p.add_argument("--cpu-lowbit", action=argparse.BooleanOptionalAction, default=None,
+                   help="CPU engines: keep 4-/8-bit layers low-bit (--cpu-lowbit) or dequantize them once for the "
+                        "exact fp32 path (--no-cpu-lowbit: 4-8x the weights' memory; --dtype auto then means "
+                        "float32) (default: $LIGHTINFER_CPU_LOWBIT, else low-bit)")
+    p.add_argument("--cpu-w4", choices=CPU_W4_NAMES, default=None,
+                   help="CPU engines: the product of 4-bit layers: c (activations int16 per block of 32), int8 "
+                        "(activations int8 per block of 32: faster, a little less exact) or torch (torch's int4 "
+                        "GEMM, bf16 activations) (default: $LIGHTINFER_CPU_W4, else c)")
 
 
 def _threads(value: str) -> int | str:
@@ -88,6 +98,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_experts": getattr(args, "cpu_experts", 0),
         "threads": getattr(args, "threads", "auto"),
         "long_prefill_token_threshold": getattr(args, "long_prefill_token_threshold", None),
+        "cpu_lowbit": getattr(args, "cpu_lowbit", None),
+        "cpu_w4": getattr(args, "cpu_w4", None),
         "load_format": "dummy" if getattr(args, "dummy_weights", False) else "auto",
         "quantization": getattr(args, "quantization", None),
     }

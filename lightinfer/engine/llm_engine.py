@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightinfer.config import EngineConfig, cpu_auto_dtype
+from lightinfer.config import EngineConfig, choose_max_model_len
 from lightinfer.engine.block_manager import BlockManager
 from lightinfer.engine.cpu_graph import replay_report
 from lightinfer.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
@@ -32,12 +32,11 @@ from lightinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from lightinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger("lightinfer")
-DEFAULT_MAX_MODEL_LEN = 8192
 
 
 def resolve_max_model_len(hf_config: object, requested: int | None) -> int:
     """The engine's ``max_model_len`` in tokens: ``requested``, or the model's context capped at
-    :data:`DEFAULT_MAX_MODEL_LEN`. The model's context is the config's own limit: ``max_position_embeddings``,
+    ``config.DEFAULT_MAX_MODEL_LEN``. The model's context is the config's own limit: ``max_position_embeddings``,
     extended by its RoPE scaling where that is how the config says it (linear / dynamic / yarn;
     ``layers/rope_scaling.py``). Sliding-window layers do not limit it (they keep their window of it).
 
@@ -45,13 +44,19 @@ def resolve_max_model_len(hf_config: object, requested: int | None) -> int:
         ValueError: ``requested`` exceeds the model's context (the message gives the limit), or an unknown
             RoPE type.
     """
-    model_max = rope_max_positions(hf_config)
-    if requested is None:
-        return min(model_max, DEFAULT_MAX_MODEL_LEN)
-    if requested > model_max:
-        raise ValueError(f"max_model_len={requested} exceeds what this model supports ({model_max}: "
-                         f"max_position_embeddings, with its RoPE scaling); use at most {model_max}")
-    return int(requested)
+    return choose_max_model_len(rope_max_positions(hf_config), requested)
+
+
+def resolve_config(config: EngineConfig, checkpoint: Checkpoint) -> EngineConfig:
+    """``config`` resolved against the opened ``checkpoint`` (``EngineConfig.resolve``): its context
+    (:func:`resolve_max_model_len`) and whether it is 4-/8-bit decide ``max_model_len`` and what ``dtype="auto"``
+    means on a CPU. The returned config is frozen; ``config`` is left as it is.
+
+    Raises:
+        ValueError: ``max_model_len`` beyond the model's context, or an unknown RoPE type.
+    """
+    return config.resolve(model_max_len=rope_max_positions(checkpoint.hf_config),
+                          quantized=checkpoint.quant_config is not None)
 
 
 @dataclass
@@ -110,7 +115,9 @@ class LLMEngine:
     """The engine: tokenizer, model runner, KV block manager, scheduler, sampler.
 
     Args:
-        config: the settings. See :class:`lightinfer.config.EngineConfig`.
+        config: the settings. See :class:`lightinfer.config.EngineConfig`; the engine resolves them against the
+            checkpoint once (:func:`resolve_config`) and keeps that frozen copy as ``self.config``, which the
+            model runner, scheduler and everything after read.
         show_progress: print a line on stderr as each loading phase starts (``load_progress.py``).
 
     Raises:
@@ -121,7 +128,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
         t0 = time.perf_counter()
         progress = LoadProgress(show_progress)
-        self.config = config
         dummy = config.load_format == "dummy"
         with progress.phase(f"reading {config.model}"):
             self.checkpoint = Checkpoint(config.model, read_weights=not dummy)
@@ -137,8 +143,8 @@ class LLMEngine:
 
             self.checkpoint.quant_config = dummy_awq_config(hf_config)
         check_quant_config(self.checkpoint.quant_config, hf_config)
-        if config.dtype == "auto" and config.torch_device.type == "cpu":  # known once the checkpoint is open
-            config.torch_dtype = cpu_auto_dtype(self.checkpoint.quant_config is not None)
+        # Every automatic setting decided, before anything is built; only this frozen copy is read from here on.
+        self.config = config = resolve_config(config, self.checkpoint)
         self.hf_config = hf_config
         # No tokenizer: asked for, or a bare config folder with dummy weights (ids in, ids out).
         no_tokenizer = config.skip_tokenizer_init or (dummy and not self.checkpoint.has_tokenizer)
@@ -151,7 +157,6 @@ class LLMEngine:
         else:
             self.tokenizer = None
         self.eos_token_ids = self.checkpoint.eos_token_ids(self.tokenizer)
-        config.max_model_len = resolve_max_model_len(hf_config, config.max_model_len)
         self.vocab_size = int(hf_config.vocab_size)
         # constrained decoding: the grammar backend is built at the first constrained request
         self.structured = StructuredOutputManager(self.tokenizer, self.eos_token_ids,
@@ -433,6 +438,9 @@ class LLMEngine:
             "cpu_threads": None if self.model_runner.cpu_threads is None else self.model_runner.cpu_threads.info(),
             # which CPU decode batch sizes are replayed from recordings, and why the others run eagerly
             "cpu_decode_replay": self.cpu_decode_replay(),
+            # the settings that change a CPU engine's results or memory, as resolved (field, else environment)
+            "cpu_lowbit": self.config.cpu_lowbit,
+            "cpu_w4": self.config.cpu_w4,
         }
 
     def cpu_decode_replay(self) -> dict:
@@ -440,8 +448,7 @@ class LLMEngine:
         (the recorded range), ``replayed`` (sizes with a graph now), ``refused`` (size -> why eager), ``eager``
         (why the other sizes, or all of them, run eagerly)."""
         mr = self.model_runner
-        return replay_report(mr.cpu_graph_runner, getattr(mr, "cpu_replay_off", None),
-                             getattr(mr, "cpu_replay_above", None))
+        return replay_report(mr.cpu_graph_runner, mr.cpu_replay_off, mr.cpu_replay_above)
 
     # ------------------------------------------------------------------ scoring
     @torch.inference_mode()

@@ -6,41 +6,24 @@ import logging
 
 import torch
 
-from lightinfer.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
+from lightinfer.config import EngineConfig
 from lightinfer.dummy_weights import init_dummy_weights
-from lightinfer.engine.cpu_graph import (
-    CpuDecodeGraphRunner,
-    eager_above,
-    log_replay_plan,
-    replay_report,
-    replay_unavailable,
-)
-from lightinfer.engine.cpu_malloc import tune_malloc_for_cpu_inference
+from lightinfer.engine.cpu_graph import CpuDecodeGraphRunner
 from lightinfer.engine.cpu_threads import CpuThreads
-from lightinfer.engine.cuda_graph import CudaGraphCaptureError, DecodeGraphRunner, graph_batch_sizes
+from lightinfer.engine.cuda_graph import DecodeGraphRunner, graph_batch_sizes
 from lightinfer.engine.kv_groups import KVGroup, kv_groups_of
 from lightinfer.engine.load_progress import LoadProgress
-from lightinfer.engine.memory import (
-    available_host_bytes,
-    check_host_memory,
-    check_weights_fit,
-    decode_split_reserve_bytes,
-    describe_kv_groups,
-    embedding_stays_on_host,
-    graph_reserve_bytes,
-    plan_kv_pool,
-    split_kv_pool,
-)
-from lightinfer.engine.moe_placement import host_expert_layers, moe_startup_report, prepare_host_experts
+from lightinfer.engine.memory import decode_split_reserve_bytes, describe_kv_groups, split_kv_pool
+from lightinfer.engine.moe_placement import host_expert_layers, moe_startup_report
+from lightinfer.engine.platform import Platform, platform_for
 from lightinfer.engine.scheduler import SchedulerOutput
 from lightinfer.engine.step_inputs import StepInputs, block_table_tensor, build_step_inputs, select_rows
-from lightinfer.kernels import KVCacheSpec, cpu_native
+from lightinfer.kernels import KVCacheSpec, switches
 from lightinfer.layers.attention import Attention, AttentionMetadata, KVGroupTables, set_context
 from lightinfer.layers.embed_head import VocabEmbedding
 from lightinfer.layers.fusion import fuse_model
 from lightinfer.layers.linear import W4A16Linear, W8A16Linear
 from lightinfer.layers.moe import FusedMoE, experts_in_host_memory
-from lightinfer.layers.ops import backend_name
 from lightinfer.layers.weight_forms import weight_form
 from lightinfer.loader import Checkpoint, load_weights
 from lightinfer.models.registry import get_model_class
@@ -52,35 +35,60 @@ class ModelRunner:
     """Loads the model, sizes and allocates the KV pool, runs steps.
 
     Args:
-        config: engine settings (``max_model_len`` already resolved).
+        config: the engine's resolved settings (``EngineConfig.resolve``: dtype, device, ``max_model_len`` and the
+            kernel settings decided).
         checkpoint: the opened model source.
+        progress: the loading phases' progress lines.
 
-    On CUDA without ``enforce_eager``, decode-only steps replay CUDA graphs (``cuda_graph.py``), on a CPU
-    their recorded C calls (``cpu_graph.py``);
+    Construction is one sequence: load -> prepare weights -> measure -> allocate KV -> capture / record, with
+    what differs by device in ``self.platform`` (``platform.py``), all of it under the config's kernel settings
+    (``EngineConfig.kernel_switches``: the weights are prepared for them). On CUDA without ``enforce_eager``,
+    decode-only steps replay CUDA graphs (``cuda_graph.py``), on a CPU their recorded C calls (``cpu_graph.py``);
     everything else runs eagerly.
 
     Raises:
-        ValueError: when the weights and fixed costs exceed the GPU memory budget, or one
-            sequence of ``max_model_len`` tokens cannot fit in the KV pool (the message gives
-            the numbers and what to change).
+        ValueError: when the weights and fixed costs exceed the memory budget, or one sequence of
+            ``max_model_len`` tokens cannot fit in the KV pool (the message gives the numbers and what to change);
+            a config that is not resolved.
     """
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint, progress: LoadProgress | None = None) -> None:
         progress = progress or LoadProgress(enabled=False)
+        if not config.resolved:
+            raise ValueError("ModelRunner takes a resolved config (EngineConfig.resolve, as LLMEngine makes it)")
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
-        # a CPU engine's thread count: fixed, or adapted per step to what other processes leave (cpu_threads.py)
-        self.cpu_threads = CpuThreads(config.threads) if self.device.type == "cpu" else None
-        if self.cpu_threads is not None:
-            tune_malloc_for_cpu_inference()  # before the large allocations; see cpu_malloc.py
-            self.cpu_threads.for_loading()
-        else:  # Triton launches and graph capture use the current device, not the tensors'
-            torch.cuda.set_device(self.device)
-        hf_config = checkpoint.hf_config
+        self.platform: Platform = platform_for(self.device)
+        # a CPU engine's thread count: fixed, or adapted per step to what other processes leave (cpu_threads.py);
+        # set by the platform
+        self.cpu_threads: CpuThreads | None = None
+        # why no CPU decode step is replayed, or why batches above the recorded sizes are not (cpu_graph.py);
+        # set by the CPU platform
+        self.cpu_replay_off: str | None = None
+        self.cpu_replay_above: str | None = None
+        # The input embedding when it lives in host memory on a GPU engine (rows gathered there).
+        self.host_embedding: VocabEmbedding | None = None
+        with switches.override(**config.kernel_switches()):
+            self.platform.prepare_process(self)
+            self._load(checkpoint, progress)
+            self.platform.prepare_weights(self, progress)
+            self._measure_weights()
+            with progress.phase("allocating the KV cache"):
+                self.group_num_blocks = self._num_blocks()
+                self._allocate_kv_cache()
+            self.platform.prepare_steps(self)
+            replay = self.platform.graph_runner(self, progress)
+        self.graph_runner: DecodeGraphRunner | None = replay if isinstance(replay, DecodeGraphRunner) else None
+        self.cpu_graph_runner: CpuDecodeGraphRunner | None = \
+            replay if isinstance(replay, CpuDecodeGraphRunner) else None
+
+    def _load(self, checkpoint: Checkpoint, progress: LoadProgress) -> None:
+        """Check the memory, build the model (MoE experts placed), load (or draw) its weights, fuse its projections,
+        and describe its attention layers' KV cache (``kv_spec``, ``kv_groups``)."""
+        config, hf_config = self.config, checkpoint.hf_config
         model_cls = get_model_class(hf_config)
-        if self.device.type == "cpu":
-            check_host_memory(self._cpu_memory_parts(model_cls, checkpoint), available_host_bytes())
+        self.platform.check_memory(self, model_cls, checkpoint)
         # MoE: the experts of the first cpu_experts MoE layers are built in host memory (engine/moe_placement.py)
         self.host_expert_layers = host_expert_layers(model_cls, hf_config, config.cpu_experts)
         dtype = str(self.dtype).replace("torch.", "")
@@ -97,11 +105,6 @@ class ModelRunner:
             fuse_model(self.model)  # q/k/v and gate/up as single GEMMs; split-K sums left to the op that follows
         self.model.set_max_model_len(int(config.max_model_len))  # rotary tables cut to it, LongRoPE fixed for it
         self.model.eval()
-        # The input embedding when it lives in host memory on a GPU engine (rows gathered there).
-        self.host_embedding: VocabEmbedding | None = None
-        if self._embedding_on_host():
-            self.model.embed_tokens.offload_to_host()  # freed on the GPU before the budget is measured
-            self.host_embedding = self.model.embed_tokens
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         first = self.attention_layers[0]
         kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.int8
@@ -112,14 +115,10 @@ class ModelRunner:
         )
         self.kv_groups: list[KVGroup] = kv_groups_of(self.attention_layers, int(config.max_model_len),
                                                      config.block_size, kv_dtype)
-        if self.device.type == "cpu" and backend_name(torch.empty(0)) == "torch_cpu":
-            # Each linear prepared once for the CPU GEMM (4-/8-bit ones stay low-bit with 16-bit activations);
-            # not when another backend is forced (the Triton path on the interpreter, the reference oracle),
-            # which reads the run-time tensors the preparation replaces.
-            with progress.phase("preparing the weights for the CPU"):
-                self.model.pack_for_cpu()
-        elif self.device.type != "cpu":
-            prepare_host_experts(self.model)  # --cpu-experts: their CPU GEMM form, once
+
+    def _measure_weights(self) -> None:
+        """What the prepared weights hold (``weight_bytes``, ``host_weight_bytes``, ``cpu_dense_bytes``,
+        ``cpu_expert_bytes``), and the MoE start-up advice."""
         # What the weights hold, prepared forms included (released expert stacks, meta tensors, count 0); of it,
         # what the CPU path's GEMM forms add (the part estimate_weight_bytes predicts as cpu_dense): the MoE
         # experts' part is their prepared copies less the W4 stacks those released (0 for int4 copies).
@@ -131,81 +130,22 @@ class ModelRunner:
         device_copies = self.cpu_expert_bytes if self.device.type == "cpu" else 0
         moe_report = moe_startup_report(self.model, self.weight_bytes - device_copies,
                                         self.host_weight_bytes - (self.cpu_expert_bytes - device_copies),
-                                        self.kv_spec.bytes_per_token, int(config.max_model_len),
-                                        config.gpu_memory_utilization)
+                                        self.kv_spec.bytes_per_token, int(self.config.max_model_len),
+                                        self.config.gpu_memory_utilization)
         if moe_report:
             logger.info("%s", moe_report)
-        with progress.phase("allocating the KV cache"):
-            self.group_num_blocks = self._num_blocks()
-            self._allocate_kv_cache()
-        if self.cpu_threads is not None:
-            self.cpu_threads.for_steps()
-        self.graph_runner: DecodeGraphRunner | None = None
-        if self._uses_cuda_graphs():
-            with progress.phase("capturing the decode CUDA graphs"):
-                self.graph_runner = self._capture_graphs()
-        self.cpu_graph_runner = self._cpu_graph_runner()
-
-    def _cpu_memory_parts(self, model_cls: type, checkpoint: Checkpoint) -> dict[str, int]:
-        """Host bytes a CPU engine will hold, by part, by arithmetic on the config (``estimate_weight_bytes``:
-        nothing is built, so a corrupt config with a million layers is refused at once)."""
-        # With fp32 activations (the exact path) a 4-/8-bit layer is dequantized once for the CPU GEMM; with
-        # 16-bit ones it stays low-bit, its prepared form about the size of the run-time tensors it replaces.
-        # MoE experts get a CPU copy either way (kernels/moe_cpu.py), which replaces and releases their W4 stacks:
-        # counted by what it adds beyond them (0 for the int4 copy).
-        weights, dense = model_cls.estimate_weight_bytes(checkpoint.hf_config, checkpoint.quant_config, self.dtype)
-        kv = self.config.kv_cache_memory_bytes or (0 if self.config.num_kv_blocks else CPU_DEFAULT_KV_CACHE_BYTES)
-        dtype = str(self.dtype).replace("torch.", "")
-        return {f"weights ({dtype})": weights, "4-/8-bit layers dequantized and MoE experts prepared for the CPU": dense,
-                "KV pool": int(kv)}
 
     # ------------------------------------------------------------------ KV pool
     def _kv_budget_bytes(self) -> tuple[int, str]:
-        """Bytes for the KV pool and, on CUDA, the memory plan behind them (else "").
-
-        On CUDA: ``budget = min(total * gpu_memory_utilization, max_vram)`` minus what the
-        loaded model holds, the activation peak of a forward at ``max_num_batched_tokens``,
-        the CUDA graphs' reserve and the memory outside torch's allocator (``memory.py``).
+        """Bytes for the KV pool and the memory plan behind them: the platform's (``Platform.kv_budget_bytes``:
+        on CUDA the GPU memory plan, on a CPU ``kv_cache_memory_bytes`` or a fixed default).
 
         Raises:
             ValueError: the weights or all fixed costs exceed the budget (``memory.py``).
         """
-        cfg = self.config
-        if cfg.kv_cache_memory_bytes is not None:
-            return int(cfg.kv_cache_memory_bytes), ""
-        if self.device.type != "cuda":
-            return CPU_DEFAULT_KV_CACHE_BYTES, ""
-        dev = self.device
-        total = torch.cuda.get_device_properties(dev).total_memory
-        budget = int(total * cfg.gpu_memory_utilization)
-        note = f"{total / 2**30:.1f} GiB x gpu_memory_utilization {cfg.gpu_memory_utilization:g}"
-        if cfg.max_vram is not None and int(cfg.max_vram) < budget:
-            budget, note = int(cfg.max_vram), f"max_vram {cfg.max_vram / 2**30:.2f} GiB"
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-        # What the model really holds (weights, fused copies, rotary tables), not the state-dict sum.
-        resident = torch.cuda.memory_allocated(dev)
-        check_weights_fit(budget, resident, note)  # before profiling: a too-small card fails here
-        activations = self._activation_peak(None)
-        graphs = 0
-        if self._uses_cuda_graphs():
-            # The graphs' pool is private: the eager steps' activations (regular pool) cannot
-            # reuse it, so it is reserved on top of them. Its size is what the largest decode
-            # batch's forward allocates; measured eagerly on that many tokens (plus a margin).
-            largest = graph_batch_sizes(self._max_decode_batch())[-1]
-            graphs = graph_reserve_bytes(self._activation_peak(largest)) + self._decode_split_bytes()
-        # Measured after the forwards: the first matmul creates cuBLAS's workspace, the first
-        # launch of each kernel loads its module; none of it goes through torch's allocator.
-        # Other processes on the GPU count too (they take memory this engine cannot have).
-        free, device_total = torch.cuda.mem_get_info(dev)
-        non_torch = (device_total - free) - torch.cuda.memory_reserved(dev)
-        num_blocks, report = plan_kv_pool(
-            budget, resident, activations, non_torch, graphs, self.kv_spec.bytes_per_block, cfg.block_size,
-            int(cfg.max_model_len), note,
-        )
-        return num_blocks * self.kv_spec.bytes_per_block, report
+        return self.platform.kv_budget_bytes(self)
 
-    def _activation_peak(self, num_tokens: int | None) -> int:
+    def activation_peak(self, num_tokens: int | None) -> int:
         """Peak bytes a cache-free forward of ``num_tokens`` (None: the step budget) allocates
         beyond what is already allocated (CUDA only)."""
         dev = self.device
@@ -288,72 +228,25 @@ class ModelRunner:
             for i in group.layers:
                 self.attention_layers[i].kv_cache.copy_blocks(src, dst)
 
-    def _embedding_on_host(self) -> bool:
-        """Whether the input embedding stays in host memory (CUDA only; see EngineConfig)."""
-        return embedding_stays_on_host(self.device.type == "cuda", self.model.tie_word_embeddings,
-                                       self.config.embedding_on_host)
-
     def _decode_split_bytes(self) -> int:
         """The split decode kernel's fp32 partials at the captured batch sizes (the largest of
         them: the graphs share one pool). Graphs pass block tables as wide as max_model_len, so
         these buffers grow with it; an eager profiling forward has none of them."""
         spec, heads = self.kv_spec, self.attention_layers[0].num_heads
         max_ctx = spec.blocks_for(int(self.config.max_model_len)) * spec.block_size
-        return decode_split_reserve_bytes(graph_batch_sizes(self._max_decode_batch()), heads, spec.num_kv_heads,
+        return decode_split_reserve_bytes(graph_batch_sizes(self.max_decode_batch()), heads, spec.num_kv_heads,
                                           spec.head_dim, max_ctx, self.device)
 
-    # ------------------------------------------------------------------ CUDA graphs
-    def _uses_cuda_graphs(self) -> bool:
-        # Experts computed on the CPU (--cpu-experts) cannot be captured: such engines decode eagerly.
-        return self.device.type == "cuda" and not self.config.enforce_eager and not self.host_expert_layers
-
-    def _cpu_graph_runner(self) -> CpuDecodeGraphRunner | None:
-        """The CPU's recorded decode steps (``cpu_graph.py``): on a bf16 CPU engine with the C ops, one KV-cache
-        group and without ``enforce_eager``; batches below the 4-bit products' dense path unless that path is a
-        C op too (AMX). fp32 engines multiply by torch's GEMM (and the C ops take no fp16): nothing to replay.
-        Sets :attr:`cpu_replay_off` / :attr:`cpu_replay_above` (why not) and, on a CPU, logs what is replayed."""
-        self.cpu_replay_off = replay_unavailable(self.device, self.config.enforce_eager, len(self.kv_groups),
-                                                 self.dtype, backend_name(torch.empty(0)))
-        self.cpu_replay_above: str | None = None
-        runner = None
-        if self.cpu_replay_off is None:
-            rows = self._max_decode_batch()
-            if not cpu_native.dense_path_native(self.dtype):
-                rows = min(rows, cpu_native.dense_rows(self.dtype) - 1)
-            self.cpu_replay_above = eager_above(rows, self._max_decode_batch(), self.dtype)
-            runner = CpuDecodeGraphRunner(self.model, rows, self.kv_spec.blocks_for(int(self.config.max_model_len)),
-                                          self.kv_spec.block_size, self.model.config.hidden_size, self.dtype)
-            runner.probe()
-        if self.device.type == "cpu":
-            log_replay_plan(replay_report(runner, self.cpu_replay_off, self.cpu_replay_above))
-        return runner
-
-    def _max_decode_batch(self) -> int:
+    # ------------------------------------------------------------------ decode graphs
+    def max_decode_batch(self) -> int:
         """Most decodes one step can hold: one token each, so the token budget caps them too."""
         return min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
-
-    def _capture_graphs(self) -> DecodeGraphRunner:
-        """Capture the decode graphs.
-
-        Raises:
-            CudaGraphCaptureError: capture failed (e.g. an op in the forward synchronized with the host). A
-                failed capture can leave torch's stream and graph memory pool half-captured, so decoding eagerly
-                in the same process is not a safe fallback: the message says to start with ``enforce_eager``.
-        """
-        runner = self.build_graph_runner(use_cuda_graphs=True)
-        try:
-            runner.capture()
-        except RuntimeError as err:
-            raise CudaGraphCaptureError(
-                f"capturing the decode CUDA graphs failed ({err}); start the engine with enforce_eager=True "
-                f"(CLI: --enforce-eager) to run without CUDA graphs") from err
-        return runner
 
     def build_graph_runner(self, use_cuda_graphs: bool) -> DecodeGraphRunner:
         """A decode graph runner sized for this engine (not captured yet). ``use_cuda_graphs=False``
         gives the eager static-buffer twin, which tests attach on a CPU."""
         return DecodeGraphRunner(
-            self.model, self._max_decode_batch(), self.kv_spec.blocks_for(int(self.config.max_model_len)),
+            self.model, self.max_decode_batch(), self.kv_spec.blocks_for(int(self.config.max_model_len)),
             self.model.config.hidden_size, self.dtype, self.device, use_cuda_graphs,
             host_embedding=self.host_embedding, num_kv_groups=len(self.kv_groups),
         )

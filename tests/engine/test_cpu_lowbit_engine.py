@@ -158,3 +158,34 @@ def test_loading_shows_its_phases(tiny: str, capsys: pytest.CaptureFixture[str])
     for phase in ("reading", "building the model", "loading the weights", "preparing the weights for the CPU",
                   "allocating the KV cache"):
         assert phase in err, err
+
+
+def test_engine_settings_win_over_the_environment_and_stay_the_engines(tiny: str) -> None:
+    """``cpu_w4`` / ``cpu_lowbit`` as EngineConfig fields: the engine prepares its weights for them whatever the
+    environment switch says, shows them in ``model_info()``, and leaves the process's switches as they were."""
+    before = switches.current()
+    with switches.override(cpu_w4="c", cpu_lowbit=True):
+        torch_w4 = _llm(tiny, cpu_w4="torch")
+        assert switches.current().cpu_w4 == "c"  # restored once the engine is built
+    assert switches.current() == before
+    assert all(type(m._lowbit) is CpuQuantWeight for m in _w4_layers(torch_w4))
+    info = torch_w4.llm_engine.model_info()
+    assert (info["cpu_w4"], info["cpu_lowbit"], info["dtype"]) == ("torch", True, "bfloat16")
+    with switches.override(cpu_lowbit=True):
+        exact = _llm(tiny, cpu_lowbit=False)
+    assert exact.llm_engine.config.torch_dtype == torch.float32  # dtype auto follows the setting, not the switch
+    assert all(m._lowbit is None and m._packed is not None for m in _w4_layers(exact))
+    assert exact.llm_engine.model_info()["cpu_lowbit"] is False
+    with switches.override(cpu_lowbit=False):
+        lowbit = _llm(tiny, cpu_lowbit=True)
+    assert lowbit.llm_engine.config.torch_dtype == torch.bfloat16
+    assert all(m._lowbit is not None for m in _w4_layers(lowbit))
+
+
+def test_unset_settings_follow_the_environment_switches(tiny: str) -> None:
+    """A field left None takes the switch in force when the engine starts (the environment's, or an override's),
+    and the resolved config says which."""
+    with switches.override(cpu_w4="torch"):
+        llm = _llm(tiny)
+    assert llm.llm_engine.config.cpu_w4 == "torch" and llm.llm_engine.config.resolved
+    assert all(type(m._lowbit) is CpuQuantWeight for m in _w4_layers(llm))

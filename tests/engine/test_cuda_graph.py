@@ -132,6 +132,8 @@ def test_static_buffer_path_matches_eager_engine(tmp_path, kv: str, model: str) 
 def test_capture_failure_is_a_clear_error(tmp_path, monkeypatch) -> None:
     """No eager fallback in the same process (torch may be left half-captured): an error that says what to do."""
     from lightinfer.engine.cuda_graph import CudaGraphCaptureError
+    from lightinfer.engine.load_progress import LoadProgress
+    from lightinfer.engine.platform import CudaPlatform
 
     llm = LLM(str(write_tiny_checkpoint(tmp_path / "m", "LlamaForCausalLM")), dtype="float32", num_kv_blocks=32)
     model_runner = llm.llm_engine.model_runner
@@ -143,7 +145,7 @@ def test_capture_failure_is_a_clear_error(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(runner, "capture", fail)
     monkeypatch.setattr(model_runner, "build_graph_runner", lambda use_cuda_graphs: runner)
     with pytest.raises(CudaGraphCaptureError, match="stream is capturing.*enforce_eager=True.*--enforce-eager"):
-        model_runner._capture_graphs()
+        CudaPlatform().graph_runner(model_runner, LoadProgress(enabled=False))
 
 
 def test_scoring_and_prefill_steps_stay_eager(tmp_path) -> None:

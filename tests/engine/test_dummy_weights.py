@@ -161,8 +161,8 @@ def test_cli_generate_with_prompt_ids(tmp_path, capsys) -> None:
 def test_a_model_too_big_for_host_memory_is_refused_before_allocating(monkeypatch) -> None:
     """Llama-2-7B on a CPU: fp32 weights alone are 25 GiB; with a (pretend) 8 GiB machine the
     engine refuses with the figures instead of being OOM-killed."""
-    import lightinfer.engine.model_runner as mr
+    from lightinfer.engine import platform
 
-    monkeypatch.setattr(mr, "available_host_bytes", lambda: 8 * 2**30)
+    monkeypatch.setattr(platform, "available_host_bytes", lambda: 8 * 2**30)
     with pytest.raises(ValueError, match=r"needs about 2[0-9]\.\d\d GiB .* only 8\.00 GiB is available"):
         LLM(str(BENCH_CONFIGS / "llama-2-7b"), load_format="dummy", device="cpu")

@@ -58,7 +58,7 @@ def test_fixed_costs_larger_than_the_budget_name_every_number_and_remedy() -> No
 
 
 def test_model_runner_cuda_budget_wiring(tmp_path, monkeypatch) -> None:
-    """``ModelRunner._kv_budget_bytes``'s CUDA branch against a fake ``torch.cuda`` (no GPU here):
+    """``ModelRunner._kv_budget_bytes`` on the CUDA platform (``CudaPlatform.kv_budget_bytes``) against a fake ``torch.cuda`` (no GPU here):
     the right measurements reach the plan, in the right places."""
     import dataclasses
     import types
@@ -66,12 +66,14 @@ def test_model_runner_cuda_budget_wiring(tmp_path, monkeypatch) -> None:
     import torch
 
     from lightinfer import LLM
+    from lightinfer.engine.platform import CudaPlatform
     from tests.conftest import write_tiny_checkpoint
 
     llm = LLM(str(write_tiny_checkpoint(tmp_path / "m", "LlamaForCausalLM")), dtype="float32", num_kv_blocks=32)
     runner = llm.llm_engine.model_runner
     runner.config = dataclasses.replace(runner.config, num_kv_blocks=None, max_vram="8GiB", max_num_seqs=20)
     runner.device = types.SimpleNamespace(type="cuda")
+    runner.platform = CudaPlatform()
     mem = {"allocated": 2 * GIB, "peak": 0}
     profiled: list[int | None] = []
 
