@@ -168,18 +168,18 @@ def test_engine_settings_win_over_the_environment_and_stay_the_engines(tiny: str
         torch_w4 = _llm(tiny, cpu_w4="torch")
         assert switches.current().cpu_w4 == "c"  # restored once the engine is built
     assert switches.current() == before
-    assert all(type(m._lowbit) is CpuQuantWeight for m in _w4_layers(torch_w4))
+    assert all(type(m.weight_impl) is TorchInt4Weight for m in _w4_layers(torch_w4))
     info = torch_w4.llm_engine.model_info()
     assert (info["cpu_w4"], info["cpu_lowbit"], info["dtype"]) == ("torch", True, "bfloat16")
     with switches.override(cpu_lowbit=True):
         exact = _llm(tiny, cpu_lowbit=False)
     assert exact.llm_engine.config.torch_dtype == torch.float32  # dtype auto follows the setting, not the switch
-    assert all(m._lowbit is None and m._packed is not None for m in _w4_layers(exact))
+    assert all(type(m.weight_impl) is PackedDenseWeight for m in _w4_layers(exact))
     assert exact.llm_engine.model_info()["cpu_lowbit"] is False
     with switches.override(cpu_lowbit=False):
         lowbit = _llm(tiny, cpu_lowbit=True)
     assert lowbit.llm_engine.config.torch_dtype == torch.bfloat16
-    assert all(m._lowbit is not None for m in _w4_layers(lowbit))
+    assert all(isinstance(m.weight_impl, LOWBIT) for m in _w4_layers(lowbit))
 
 
 def test_unset_settings_follow_the_environment_switches(tiny: str) -> None:
@@ -188,4 +188,4 @@ def test_unset_settings_follow_the_environment_switches(tiny: str) -> None:
     with switches.override(cpu_w4="torch"):
         llm = _llm(tiny)
     assert llm.llm_engine.config.cpu_w4 == "torch" and llm.llm_engine.config.resolved
-    assert all(type(m._lowbit) is CpuQuantWeight for m in _w4_layers(llm))
+    assert all(type(m.weight_impl) is TorchInt4Weight for m in _w4_layers(llm))
