@@ -39,7 +39,8 @@ one run; read the ratios, not the absolute times; summed up in ``docs/performanc
 * Both were correct on the 10 schemas, 3 regexes, a choice and a Lark grammar: fixed instances
   accepted / rejected, and every random-logit generation that finished was valid (with the
   libraries' default unbounded JSON whitespace a few looped on blank lines until the token limit,
-  under both; hence :data:`JSON_WHITESPACE`). llguidance also reads GBNF and inlines JSON schemas
+  under both; hence :data:`JSON_WHITESPACE`, and likewise numbers are bounded to float64's digits
+  and free nesting to :data:`~lightinfer.structured.spec.JSON_MAX_FREE_NESTING` levels). llguidance also reads GBNF and inlines JSON schemas
   into Lark (``%json``), which the tool-call grammars use.
 """
 

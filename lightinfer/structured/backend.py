@@ -12,7 +12,12 @@ import llguidance
 import llguidance.hf
 
 from lightinfer.structured.matcher import GrammarMatcher
-from lightinfer.structured.spec import StructuredOutputs, StructuredOutputsError, library_message
+from lightinfer.structured.spec import (
+    JSON_NUMBER_GUARD_LARK,
+    StructuredOutputs,
+    StructuredOutputsError,
+    library_message,
+)
 
 # Short errors: llguidance's verbose ones dump the parser state and the whole grammar (schema text).
 _LIMITS = llguidance.LLParserLimits(verbose_errors=False)
@@ -55,6 +60,7 @@ class GrammarBackend:
         self.cache_size = cache_size
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
+        self._number_guard: Any = None  # compiled JSON_NUMBER_GUARD_LARK, on first JSON request
 
     @property
     def bitmask_width(self) -> int:
@@ -98,12 +104,29 @@ class GrammarBackend:
                 self._cache.popitem(last=False)
         return template
 
+    def number_guard(self) -> Any:
+        """The compiled template of :data:`~lightinfer.structured.spec.JSON_NUMBER_GUARD_LARK` (any JSON
+        value with float64-sized numbers), run beside every JSON constraint."""
+        with self._lock:
+            if self._number_guard is not None:
+                return self._number_guard
+        guard = llguidance.LLMatcher(self.ll_tokenizer, llguidance.LLMatcher.grammar_from_lark(JSON_NUMBER_GUARD_LARK),
+                                     log_level=0, limits=_LIMITS)
+        if guard.is_error():  # a fixed grammar: only a broken library gets here
+            raise RuntimeError(f"the JSON number grammar does not compile: {guard.get_error()}")
+        guard.compute_bitmask()
+        with self._lock:
+            self._number_guard = guard
+        return guard
+
     def matcher(self, spec: StructuredOutputs) -> GrammarMatcher:
         """A new matcher at the start of ``spec`` for one sequence (see :meth:`compile` for errors)."""
         template = self.compile(spec)
+        guard = self.number_guard() if spec.bounds_numbers else None
         with self._lock:  # deep_copy reads the template, which another thread may be copying too
             copy = template.deep_copy()
-        return GrammarMatcher(copy, self.eos_token_ids)
+            guard_copy = guard.deep_copy() if guard is not None else None
+        return GrammarMatcher(copy, self.eos_token_ids, guard=guard_copy)
 
     def cache_info(self) -> dict[str, int]:
         """``{"size": cached constraints, "capacity": cache_size}``."""

@@ -150,6 +150,8 @@ class StructuredBatch:
             width = self.bitmask.shape[1] * 4
             pairs = [(matchers[r]._m, r) for r in self.rows]
             self._executor.unsafe_compute_mask_ptr(pairs, self.bitmask.data_ptr(), width, self.bitmask.shape[0])
+            for r in self.rows:  # the JSON number bound of JSON rows (cheap: a small grammar)
+                matchers[r].and_guard(self.bitmask[r])
         else:
             for r in self.rows:
                 matchers[r].fill_bitmask(self.bitmask, r)

@@ -22,6 +22,49 @@ import llguidance
 JSON_WHITESPACE = r"(?:[ ]|\n[ \t]{0,20})?"
 JSON_OPTIONS: dict[str, Any] = {"whitespace_pattern": JSON_WHITESPACE}
 
+# How long a JSON number the grammar lets out: what a float64 carries. 17 significant digits round-trip
+# any double and its exponent has at most 3 digits (1e-324 .. 1.8e308); an integer without fraction or
+# exponent may have 19 digits (int64's length). A small model otherwise loops inside a number
+# ("31.2389888888...") until max_tokens, as it did on whitespace. Values outside this (a 30-digit
+# integer, 1e-400) cannot be generated; schemas rarely ask for them.
+JSON_MAX_SIGNIFICANT_DIGITS = 17
+JSON_MAX_EXPONENT_DIGITS = 3
+JSON_MAX_INTEGER_DIGITS = 19
+# Containers (objects, arrays) nested at most this deep where the schema leaves the value free
+# (`json_object`, `{}` / `true` subschemas, an `"object"` or `"array"` without properties or items):
+# deep enough for real data, and a small model that keeps opening `{"a": {` is made to close after a
+# few dozen tokens instead of nesting until max_tokens. Nesting the schema spells out is not limited.
+JSON_MAX_FREE_NESTING = 8
+
+
+def _json_number_regex() -> str:
+    """A JSON number with at most :data:`JSON_MAX_SIGNIFICANT_DIGITS` mantissa digits (a lone leading
+    ``0`` aside: ``0.000123`` counts 6), an exponent of at most :data:`JSON_MAX_EXPONENT_DIGITS` digits,
+    or an integer of at most :data:`JSON_MAX_INTEGER_DIGITS` digits."""
+    sig, exp = JSON_MAX_SIGNIFICANT_DIGITS, JSON_MAX_EXPONENT_DIGITS
+    forms = [rf"0(?:\.[0-9]{{1,{sig}}})?"]
+    for n in range(1, sig + 1):  # n integer digits leave sig - n for the fraction
+        frac = rf"(?:\.[0-9]{{1,{sig - n}}})?" if n < sig else ""
+        forms.append(rf"[1-9][0-9]{{{n - 1}}}{frac}")
+    mantissa = "|".join(forms)
+    return (rf"-?(?:(?:{mantissa})(?:[eE][+-]?[0-9]{{1,{exp}}})?"
+            rf"|[1-9][0-9]{{{sig},{JSON_MAX_INTEGER_DIGITS - 1}}})")
+
+
+# Any JSON value whose numbers obey _json_number_regex, whatever the nesting. Compiled next to a JSON
+# constraint, the two masks are ANDed (GrammarMatcher): llguidance's JSON-Schema compiler has no
+# option for number length, and this keeps every schema keyword it enforces. Strings: any valid JSON
+# string (a superset of what the schema grammar allows); whitespace: any (the schema grammar bounds it).
+JSON_NUMBER_GUARD_LARK = r"""
+%ignore /[ \t\n\r]+/
+start: value
+value: object | array | STRING | NUMBER | "true" | "false" | "null"
+object: "{" (pair ("," pair)*)? "}"
+pair: STRING ":" value
+array: "[" (value ("," value)*)? "]"
+STRING: /"(?:[^"\\\x00-\x1f]|\\[^\x00-\x1f])*"/
+NUMBER: /""" + _json_number_regex() + "/\n"
+
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -121,10 +164,98 @@ def close_objects(schema: Any) -> Any:
     return close(schema)
 
 
-def json_grammar(schema: dict[str, Any]) -> str:
+# Keywords that say nothing about a value: a schema made of only these accepts anything.
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+                          "writeOnly", "$schema", "$defs", "definitions", "$anchor"})
+_DEPTH_DEF = "lightinfer_free_json_depth_{}"
+# Where a free subschema is replaced by a depth-bounded one; "not", "if", "contains", "propertyNames",
+# "allOf" and "oneOf" entries keep their meaning only as they are.
+_VALUE_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_VALUE_ONE = ("additionalProperties", "items", "additionalItems", "unevaluatedProperties", "unevaluatedItems")
+_VALUE_LISTS = ("anyOf", "prefixItems", "items")
+_COMBINATORS = ("allOf", "anyOf", "oneOf", "$ref", "$dynamicRef", "if", "not")
+
+
+def _is_free(node: Any) -> bool:
+    return node is True or (isinstance(node, dict) and all(k in _ANNOTATIONS for k in node))
+
+
+def _has_nested_id(node: Any, top: bool = True) -> bool:
+    if isinstance(node, dict):
+        return (not top and "$id" in node) or any(_has_nested_id(v, False) for k, v in node.items()
+                                                  if k not in ("const", "enum", "default", "examples"))
+    if isinstance(node, list):
+        return any(_has_nested_id(v, False) for v in node)
+    return False
+
+
+def bound_free_nesting(schema: Any, depth: int = JSON_MAX_FREE_NESTING) -> Any:
+    """``schema`` with every part it leaves free limited to ``depth`` levels of containers (see
+    :data:`JSON_MAX_FREE_NESTING`): a ``{}`` / ``true`` subschema in a value position becomes a
+    reference to ``$defs`` holding "any JSON value nested at most ``depth`` deep"; an ``"object"``
+    with no ``properties`` / ``additionalProperties`` / ``patternProperties`` gets values nested at
+    most ``depth - 1`` deep (the object itself is a level), an ``"array"`` with no ``items`` likewise.
+    Everything the schema spells out is kept. A schema with nested ``$id`` (its own URI bases, where a
+    local reference would resolve elsewhere) is returned unchanged."""
+    if _has_nested_id(schema) or depth < 1:
+        return schema
+    def ref(k: int) -> dict[str, str]:
+        return {"$ref": f"#/$defs/{_DEPTH_DEF.format(k)}"}
+
+    used = False
+
+    def free(k: int) -> dict[str, Any]:
+        nonlocal used
+        used = True
+        return ref(k)
+
+    def walk(node: Any) -> Any:
+        if _is_free(node):
+            return free(depth) if node is True else {**node, **free(depth)}
+        if not isinstance(node, dict):
+            return node
+        out = dict(node)
+        for key in _VALUE_MAPS:
+            if isinstance(node.get(key), dict):
+                out[key] = {name: walk(sub) for name, sub in node[key].items()}
+        for key in _VALUE_ONE:
+            if isinstance(node.get(key), (dict, bool)):
+                out[key] = walk(node[key])
+        for key in _VALUE_LISTS:
+            if isinstance(node.get(key), list):
+                out[key] = [walk(sub) for sub in node[key]]
+        types = node.get("type")
+        types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+        if not any(k in node for k in _COMBINATORS):
+            if "object" in types and not any(k in node for k in ("properties", *_OPEN_KEYS)):
+                out["additionalProperties"] = free(depth - 1)
+            if "array" in types and not any(k in node for k in ("items", "prefixItems", "additionalItems",
+                                                                  "unevaluatedItems")):
+                out["items"] = free(depth - 1)
+        return out
+
+    if _is_free(schema):  # the whole value is free: depth levels from the top
+        top = dict(schema) if isinstance(schema, dict) else {}
+        top.update(free(depth))
+        out = top
+    else:
+        out = walk(schema)
+    if not used:
+        return schema
+    scalars = ["null", "boolean", "number", "string"]
+    defs = {_DEPTH_DEF.format(0): {"type": scalars}}
+    for k in range(1, depth + 1):
+        defs[_DEPTH_DEF.format(k)] = {"type": [*scalars, "array", "object"], "items": ref(k - 1),
+                                      "additionalProperties": ref(k - 1)}
+    return {**out, "$defs": {**out.get("$defs", {}), **defs}}
+
+
+def json_grammar(schema: Any) -> str:
     """The llguidance grammar of a JSON Schema with lightinfer's whitespace policy, objects closed
-    (:func:`close_objects`)."""
-    return llguidance.LLMatcher.grammar_from_json_schema(close_objects(schema), overrides=JSON_OPTIONS)
+    (:func:`close_objects`) and free nesting bounded (:func:`bound_free_nesting`). Numbers are bounded
+    by :data:`JSON_NUMBER_GUARD_LARK`, which the backend runs beside this grammar."""
+    schema = bound_free_nesting(close_objects(schema))
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
 
 
 def lark_literal(text: str) -> str:
@@ -215,6 +346,12 @@ class StructuredOutputs:
     def kind(self) -> str:
         """Which field is set: "json", "json_object", "regex", "choice" or "grammar"."""
         return self._key.split("\x00", 1)[0]
+
+    @property
+    def bounds_numbers(self) -> bool:
+        """The output is JSON whose numbers :data:`JSON_NUMBER_GUARD_LARK` bounds (the "json" and
+        "json_object" kinds); the backend then ANDs that grammar's mask with this one's."""
+        return self.kind in ("json", "json_object")
 
     @property
     def key(self) -> str:

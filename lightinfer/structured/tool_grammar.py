@@ -22,6 +22,7 @@ from lightinfer.structured.spec import (
     JSON_OPTIONS,
     StructuredOutputs,
     StructuredOutputsError,
+    bound_free_nesting,
     check_llguidance_grammar,
     close_objects,
     json_grammar,
@@ -81,6 +82,10 @@ def _calls_schema(tools: Sequence[ToolSpec], key: str) -> dict[str, Any]:
 
 
 def _json_rule(schema: dict[str, Any]) -> str:
+    """The ``%json`` rule of ``schema``: bounded whitespace, free argument values nested at most
+    JSON_MAX_FREE_NESTING deep (numbers in tool arguments are not length-bounded: the number grammar
+    guards whole-reply JSON only)."""
+    schema = bound_free_nesting(schema)
     return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
 
 

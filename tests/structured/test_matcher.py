@@ -126,3 +126,59 @@ def test_json_whitespace_is_bounded(byte_backend) -> None:
 
     assert ok('{"a":1,"b":"x"}') and ok('{"a": 1, "b": "x"}') and ok('{\n  "a": 1,\n  "b": "x"\n}')
     assert not ok('{"a":     1, "b": "x"}') and not ok('{"a": 1,\n\n\n"b": "x"}')
+
+
+def _fits(backend: GrammarBackend, spec: StructuredOutputs, text: str) -> bool:
+    m = backend.matcher(spec)
+    return m.accept_tokens(ids(backend, text)) and m.is_accepting()
+
+
+def test_json_numbers_are_bounded_to_float64(byte_backend) -> None:
+    """17 significant digits, 3 exponent digits, 19-digit integers pass; one more digit anywhere does not
+    (a small model looping inside "31.2389888..." is made to stop the number)."""
+    number = StructuredOutputs(json={"type": "object", "properties": {"x": {"type": "number"}}})
+    integer = StructuredOutputs(json={"type": "object", "properties": {"x": {"type": "integer"}}})
+    free = StructuredOutputs(json_object=True)
+    for spec in (number, free):
+        for good in ("0", "-1.5", "31.238988888888888", "0.00000000000000001", "1.7976931348623157e308",
+                     "4.9E-324", "12345678901234567", "1e+005", "-1.2345678901234567e10"):
+            assert _fits(byte_backend, spec, f'{{"x": {good}}}'), (spec.kind, good)
+        for bad in ("31.2389888888888888", "0.000000000000000001", "1e1000", "12345678901234567.5",
+                    "1" * 20, "-1.23456789012345678e10"):
+            assert not _fits(byte_backend, spec, f'{{"x": {bad}}}'), (spec.kind, bad)
+    assert _fits(byte_backend, integer, '{"x": -9223372036854775808}')
+    assert not _fits(byte_backend, integer, '{"x": 12345678901234567890}')
+    # the bound is on what is generated: every step's mask agrees with accept_token
+    m = byte_backend.matcher(number)
+    assert m.accept_tokens(ids(byte_backend, '{"x": 1.' + "2" * 16))
+    digit = ids(byte_backend, "3")[0]
+    assert digit not in m.allowed_token_ids() and not m.accept_token(digit)
+    assert ids(byte_backend, "}")[0] in m.allowed_token_ids()
+    twin = m.fork()  # the bound travels with forks, rollbacks and resets
+    assert not twin.accept_token(digit)
+    m.rollback(1)
+    assert m.accept_token(digit)
+    m.reset()
+    assert m.accept_tokens(ids(byte_backend, '{"x": 7}')) and m.is_accepting()
+
+
+def test_free_nesting_is_bounded_where_the_schema_is_silent(byte_backend) -> None:
+    from lightinfer.structured.spec import JSON_MAX_FREE_NESTING as depth
+
+    def nested(levels: int, inner: str = "1") -> str:
+        return '{"a": ' * levels + inner + "}" * levels
+
+    free = StructuredOutputs(json_object=True)
+    assert _fits(byte_backend, free, nested(depth)) and not _fits(byte_backend, free, nested(depth + 1))
+    assert _fits(byte_backend, free, '{"a": [[{"b": [1, "x", null, true]}]], "c": {}}')
+    # a free property ({} / true) gets the bound below it; arrays without items too
+    schema = {"type": "object", "properties": {"meta": {}, "list": {"type": "array"}}, "required": ["meta", "list"]}
+    spec = StructuredOutputs(json=schema)
+    assert _fits(byte_backend, spec, '{"meta": ' + nested(depth) + ', "list": []}')
+    assert not _fits(byte_backend, spec, '{"meta": ' + nested(depth + 1) + ', "list": []}')
+    assert not _fits(byte_backend, spec, '{"meta": 1, "list": ' + "[" * (depth + 1) + "]" * (depth + 1) + "}")
+    # nesting the schema spells out is not limited
+    deep: dict = {"type": "integer"}
+    for _ in range(depth + 4):
+        deep = {"type": "object", "properties": {"a": deep}, "required": ["a"]}
+    assert _fits(byte_backend, StructuredOutputs(json=deep), nested(depth + 4))

@@ -143,3 +143,21 @@ def special_think_backend():
     from tests.structured.conftest import SPECIAL, byte_tokenizer
 
     return GrammarBackend(byte_tokenizer([*SPECIAL, "<think>", "</think>"]))
+
+
+def test_free_arguments_nest_at_most_the_free_depth(byte_backend) -> None:
+    """A tool whose parameters say only "object" cannot nest its arguments without end."""
+    from lightinfer.structured.spec import JSON_MAX_FREE_NESTING as depth
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    spec = build_tool_call_grammar(tools, "required", "hermes", parallel_tool_calls=False)
+
+    def fits(args: str) -> bool:
+        m = byte_backend.matcher(spec)
+        text = '<tool_call>\n{"name": "f", "arguments": ' + args + "}\n</tool_call>"
+        return m.accept_tokens(byte_backend.tokenizer.encode(text, add_special_tokens=False)) and m.is_accepting()
+
+    def nested(levels: int) -> str:
+        return '{"a": ' * (levels - 1) + "{}" + "}" * (levels - 1)
+
+    assert fits('{"city": "Paris"}') and fits(nested(depth)) and not fits(nested(depth + 1))
