@@ -211,8 +211,8 @@ def test_pipeline_and_chat_sample_as_the_model_recommends(tmp_path, tiny, monkey
 
     pipe("Hi!", ignore_eos=True, max_tokens=2)
     assert last() == (*recommended, 2)
-    pipe("Hi!")
-    assert last() == (*recommended, 512)  # LMDeploy's limit
+    p = pipe._params(None, {})
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (*recommended, 512)  # LMDeploy's limit
     list(pipe.stream_infer("Hi!", max_tokens=2))
     assert last() == (*recommended, 2)
     pipe("Hi!", temperature=0, top_k=-1, max_tokens=2)
