@@ -144,7 +144,11 @@ class EngineConfig:
         enable_prefix_caching: reuse full KV blocks of identical prefixes.
         enforce_eager: every forward eager: no CUDA graphs on a GPU (``cuda_graph.py``), no replayed decode
             steps on a CPU (``cpu_graph.py``).
-        seed: seed of the shared generator for unseeded requests (and of dummy weights).
+        seed: seed of the shared generator that requests without their own ``seed`` sample from: an engine
+            started with a seed gives the same outputs to the same requests in the same order, every run.
+            None: drawn from the OS at start, so unseeded requests differ between runs and processes (as
+            "random" promises; a request's own ``seed`` stays reproducible either way). Dummy weights use it
+            too, or a fixed seed when it is None, so they are the same in every run.
         max_waiting: most queued requests before new ones are refused (serving).
         load_format: "auto" (read the weights) or "dummy" (random weights of the config, built
             on the device in the run-time layout; benchmarks of real shapes without a file).
@@ -190,7 +194,7 @@ class EngineConfig:
     max_vram: int | str | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
-    seed: int = 0
+    seed: int | None = None
     max_waiting: int = 256
     load_format: str = "auto"
     quantization: str | None = None
@@ -209,6 +213,10 @@ class EngineConfig:
         object.__setattr__(self, name, value)
 
     def __post_init__(self) -> None:
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -(2**63) <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None (random: drawn from the OS at "
+                             f"start), got {self.seed!r}")
         if isinstance(self.cpu_experts, bool) or not isinstance(self.cpu_experts, int) or self.cpu_experts < 0:
             raise ValueError(f"cpu_experts must be an integer >= 0 (MoE layers whose experts stay in host memory), "
                              f"got {self.cpu_experts!r}")

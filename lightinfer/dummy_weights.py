@@ -19,6 +19,7 @@ from lightinfer.layers.norm import RMSNorm
 # Std of the dense weights and of the dequantized 4-bit weights: the usual initializer_range,
 # small enough that 32 fp16 layers of random weights neither overflow nor vanish.
 DUMMY_STD = 0.02
+DUMMY_WEIGHTS_SEED = 0  # dummy weights of an engine started without a seed (EngineConfig.seed=None)
 AWQ_GROUP_SIZES = (128, 64, 32)
 # Codes uniform in [0, 15] minus a zero of 8 have std sqrt((16^2 - 1) / 12) ~ 4.61.
 _CODE_STD = ((16**2 - 1) / 12) ** 0.5
@@ -44,7 +45,7 @@ def dummy_awq_config(hf_config: object) -> dict:
 
 
 @torch.no_grad()
-def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+def init_dummy_weights(model: nn.Module, seed: int | None = None) -> None:
     """Fill every parameter and 4-bit buffer of ``model`` in place with seeded random values.
 
     Dense weights and biases: normal(0, ``DUMMY_STD``). RMSNorm weights: 1. ``W4A16Linear`` and W4
@@ -54,8 +55,12 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
     Args:
         model: a lightinfer model (freshly constructed; its tensors may hold anything).
-        seed: the same seed gives the same weights on the same device.
+        seed: the same seed gives the same weights on the same device; None: :data:`DUMMY_WEIGHTS_SEED`
+            (an engine without a seed samples from the OS, but its dummy weights stay those of every run, so
+            benchmarks compare like with like).
     """
+    if seed is None:
+        seed = DUMMY_WEIGHTS_SEED
     generators: dict[torch.device, torch.Generator] = {}
 
     def gen(t: torch.Tensor) -> torch.Generator:

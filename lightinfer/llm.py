@@ -12,7 +12,7 @@ from lightinfer.config import EngineConfig
 from lightinfer.engine.llm_engine import LLMEngine
 from lightinfer.inputs import EngineRequest, InputProcessor, Message, PromptType, TokenizedPrompt
 from lightinfer.outputs import RequestOutput
-from lightinfer.sampling_params import SamplingParams
+from lightinfer.sampling_params import SamplingParams, chat_sampling
 
 
 class LLM:
@@ -40,6 +40,17 @@ class LLM:
     def tokenizer(self) -> object:
         return self.llm_engine.tokenizer
 
+    def chat_sampling_params(self, max_tokens: int = 16, **given: object) -> SamplingParams:
+        """The sampling a chat starts from: temperature / top_p / top_k as the model's authors recommend
+        (``generation_config.json`` or the embedded model's card: ``model_info()["sampling_defaults"]``, what
+        the chat UI and ``lightinfer chat`` start from), else :data:`lightinfer.sampling_params.CHAT_SAMPLING`;
+        ``given`` fields (any :class:`SamplingParams` field) override them.
+
+        Raises:
+            ValueError: a bad setting (see :meth:`SamplingParams.validate`).
+        """
+        return chat_sampling(self.llm_engine.checkpoint.sampling_defaults(), given, max_tokens)  # type: ignore[arg-type]
+
     @property
     def input_processor(self) -> InputProcessor:
         """The engine's :class:`lightinfer.inputs.InputProcessor` (tokenizing, chat template, checks)."""
@@ -56,7 +67,8 @@ class LLM:
         Args:
             prompts: a prompt or a list of them: a string, a token-id list, vLLM's ``{"prompt": text}`` /
                 ``{"prompt_token_ids": ids}``, or a :class:`lightinfer.inputs.TokenizedPrompt`.
-            sampling_params: one for all, or one per prompt (default: ``SamplingParams()``).
+            sampling_params: one for all, or one per prompt (default: ``SamplingParams()``, vLLM's defaults:
+                temperature 1, top-p 1, 16 tokens).
             use_tqdm: show a progress bar.
         Raises:
             ValueError: a bad prompt or setting (checked for every prompt before any work starts).
@@ -87,7 +99,9 @@ class LLM:
         Args:
             messages: ``[{"role", "content"}, ...]`` (OpenAI's shape: assistant ``tool_calls`` and
                 ``{"role": "tool", "tool_call_id", "content"}`` results too), or a list of conversations.
-            sampling_params: one for all, or one per conversation (default: ``SamplingParams()``).
+            sampling_params: one for all, or one per conversation (default: :meth:`chat_sampling_params`: the
+                model's recommended temperature / top-p / top-k, as a chat UI starts from, with vLLM's
+                ``max_tokens=16``; pass ``SamplingParams()`` for vLLM's plain defaults).
             use_tqdm: show a progress bar.
             add_generation_prompt: end the prompt with the assistant's header (the reply is generated).
             tools: OpenAI tool definitions ``[{"type": "function", "function": {"name", "description",
@@ -112,7 +126,8 @@ class LLM:
             raise ValueError("chat() got no messages: give a conversation (a list of {'role': ..., 'content': ...} "
                              "messages) or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        params = _params_per_prompt(sampling_params, len(conversations))
+        params = _params_per_prompt(self.chat_sampling_params() if sampling_params is None else sampling_params,
+                                    len(conversations))
         prepared = [self.input_processor.process_chat(
             conv, sp, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,  # type: ignore[arg-type]
             add_generation_prompt=add_generation_prompt, chat_template_kwargs=chat_template_kwargs)
@@ -217,7 +232,9 @@ class Pipeline:
     """LMDeploy-style pipeline: ``pipe("hi")``, ``pipe([...])``, ``pipe(messages)``, ``pipe.stream_infer``.
 
     A prompt is a string (sent through the chat template when the model has one, as LMDeploy does)
-    or a list of ``{"role", "content"}`` messages.
+    or a list of ``{"role", "content"}`` messages. A call without ``gen_config`` samples as the model's authors
+    recommend (:meth:`LLM.chat_sampling_params`, as the chat UI does; keyword settings override it) with
+    LMDeploy's 512-token limit.
     """
 
     def __init__(self, llm: LLM) -> None:
@@ -241,12 +258,12 @@ class Pipeline:
             return prompt
         return processor.render_chat(prompt)
 
-    @staticmethod
-    def _params(gen_config: SamplingParams | None, kwargs: dict) -> SamplingParams:
-        """The given settings; else ``SamplingParams(**kwargs)`` with LMDeploy's 512-token default."""
+    def _params(self, gen_config: SamplingParams | None, kwargs: dict) -> SamplingParams:
+        """``gen_config`` as it is; else the model's recommended chat sampling with ``kwargs`` (any
+        :class:`SamplingParams` field) over it and LMDeploy's 512-token default."""
         if gen_config is not None:
             return gen_config
-        return SamplingParams(**{"max_tokens": 512, **kwargs})  # type: ignore[arg-type]
+        return self.llm.chat_sampling_params(**{"max_tokens": 512, **kwargs})
 
     def _batch(self, prompts: object) -> tuple[list[object], bool]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -10,7 +11,8 @@ if TYPE_CHECKING:
     from lightinfer.structured.spec import StructuredOutputs
 
 # A chat's sampling where the model recommends none (``Checkpoint.sampling_defaults``): the chat UI's starting
-# values and ``lightinfer chat``'s defaults. API requests keep OpenAI's defaults instead.
+# values and the defaults of ``lightinfer chat``, ``pipeline`` and ``LLM.chat``. API requests and
+# ``LLM.generate`` keep OpenAI's / vLLM's defaults instead.
 CHAT_SAMPLING: dict[str, float] = {"temperature": 0.7, "top_p": 0.95, "top_k": 50}
 
 
@@ -154,3 +156,31 @@ def as_structured_outputs(value: object) -> StructuredOutputs:
     if unknown:
         raise ValueError(f"structured_outputs: unknown key(s) {unknown}; use one of {', '.join(known)}")
     return StructuredOutputs(**value)
+
+
+def recommended_chat_sampling(recommended: Mapping[str, Any]) -> dict[str, float]:
+    """A chat's ``temperature`` / ``top_p`` / ``top_k``: the model's recommendation (``recommended``, e.g.
+    ``Checkpoint.sampling_defaults()`` = ``model_info()["sampling_defaults"]``) for each setting it gives a
+    valid value of, :data:`CHAT_SAMPLING`'s for the rest. Other keys of ``recommended`` are left out."""
+    sampling = dict(CHAT_SAMPLING)
+    for key, value in recommended.items():
+        if key in sampling:
+            try:  # a generation_config.json's value out of range (or of the wrong type) is not a failed chat
+                value = int(value) if key == "top_k" else float(value)
+                SamplingParams(**{key: value})
+            except (TypeError, ValueError):
+                continue
+            sampling[key] = value
+    return sampling
+
+
+def chat_sampling(recommended: Mapping[str, Any], given: Mapping[str, Any] | None = None, max_tokens: int = 16,
+                  seed: int | None = None) -> SamplingParams:
+    """The sampling of a chat that set none: the settings ``given`` (any :class:`SamplingParams` field), the
+    rest of temperature / top_p / top_k from :func:`recommended_chat_sampling`.
+
+    Raises:
+        ValueError: a bad ``given`` setting, ``max_tokens`` or ``seed`` (see :meth:`SamplingParams.validate`).
+    """
+    return SamplingParams(**{"max_tokens": max_tokens, "seed": seed, **recommended_chat_sampling(recommended),
+                             **(given or {})})

@@ -175,7 +175,7 @@ def test_real_model_chat_through_stdin(monkeypatch: pytest.MonkeyPatch, capsys) 
 def test_the_chat_samples_as_the_model_recommends_unless_told() -> None:
     """Settings not given on the command line come from the model's recommendation (SmolLM2's card: 0.2 / 0.9),
     one out of range falls back to the CLI's own default, and a given one wins."""
-    from lightinfer.cli.chat import CHAT_SAMPLING, chat_sampling
+    from lightinfer.sampling_params import CHAT_SAMPLING, chat_sampling
 
     p = chat_sampling({"temperature": 0.2, "top_p": 0.9}, {}, 64, None)
     assert (p.temperature, p.top_p, p.top_k) == (0.2, 0.9, CHAT_SAMPLING["top_k"])

@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import Any, TextIO
 
 from lightinfer.cli.common import add_engine_args, add_parser, engine_kwargs
-from lightinfer.sampling_params import CHAT_SAMPLING, SamplingParams
+from lightinfer.sampling_params import SamplingParams, chat_sampling
 
 PROMPT = ">>> "
 HELP = ("/reset  forget the conversation\n"
@@ -43,7 +43,6 @@ def register(subparsers: Any) -> None:
                    help="nucleus sampling mass, in (0, 1] (default: the model's recommendation, else 0.95)")
     c.add_argument("--top-k", type=int, default=None,
                    help="keep the k most likely tokens; -1 = all (default: the model's recommendation, else 50)")
-    c.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     c.set_defaults(func=run_chat)
 
 
@@ -67,22 +66,6 @@ def run_chat(args: argparse.Namespace) -> int:
     print(f"lightinfer: ready in {time.monotonic() - t0:.1f} s. Type a message; /help lists the commands.",
           file=sys.stderr, flush=True)
     return ChatSession(engine, params, system=args.system or "").run()
-
-
-def chat_sampling(recommended: dict[str, float], given: dict[str, float], max_tokens: int,
-                  seed: int | None) -> SamplingParams:
-    """A chat's sampling: the settings ``given`` on the command line, the rest from the model's recommendation
-    (``Checkpoint.sampling_defaults``) where it is a valid setting, else :data:`CHAT_SAMPLING`."""
-    sampling = dict(CHAT_SAMPLING)
-    for key, value in recommended.items():
-        if key in sampling:
-            try:  # a generation_config.json's value out of range (or of the wrong type) is not a failed chat
-                value = int(value) if key == "top_k" else float(value)
-                SamplingParams(**{key: value})
-            except (TypeError, ValueError):
-                continue
-            sampling[key] = value
-    return SamplingParams(max_tokens=max_tokens, seed=seed, **{**sampling, **given})
 
 
 class ChatSession:

@@ -57,6 +57,9 @@ def add_engine_args(p: argparse.ArgumentParser, kv_cache_dtype: str | None = "au
     p.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="N",
                    help="most prompt tokens one request computes per step, so requests behind a long prompt are not "
                         "held for its whole prefill; 0: no cap (default: 512 on a CPU, no cap on a GPU)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed: with one, the same prompts give the same output every run (default: random, "
+                        "drawn from the OS at start; an API request's own seed still applies)")
     p.add_argument("--threads", type=_threads, default="auto", metavar="N|auto",
                    help="CPU threads for the engine's computation. auto (default): $OMP_NUM_THREADS when set, else "
                         "the cores this process may use, fewer while other processes keep some of them busy "
@@ -97,6 +100,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enforce_eager": args.enforce_eager,
         "cpu_experts": getattr(args, "cpu_experts", 0),
         "threads": getattr(args, "threads", "auto"),
+        "seed": getattr(args, "seed", None),
         "long_prefill_token_threshold": getattr(args, "long_prefill_token_threshold", None),
         "cpu_lowbit": getattr(args, "cpu_lowbit", None),
         "cpu_w4": getattr(args, "cpu_w4", None),

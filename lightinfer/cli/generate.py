@@ -29,7 +29,6 @@ def register(subparsers: Any) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     g.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1 = all")
-    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     g.set_defaults(func=run_generate)
 
 

@@ -99,7 +99,7 @@ def _register_routes(app: FastAPI, serving: OpenAIServing) -> None:
         if req.stream:
             return StreamingResponse(R.chat_stream(serving, req, subs, top, calling), media_type="text/event-stream",
                                      headers=_SSE_HEADERS)
-        return await run_until_disconnect(raw, R.chat_full(serving, subs, top, calling), [r for r, _ in subs], engine)
+        return await run_until_disconnect(raw, R.chat_full(serving, req, subs, top, calling), [r for r, _ in subs], engine)
 
     @app.post("/completions", response_model=None)
     async def completions(req: P.CompletionRequest, raw: Request) -> Response:

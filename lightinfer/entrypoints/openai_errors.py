@@ -51,7 +51,14 @@ def as_openai_error(exc: Exception) -> OpenAIError:
 
 def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     """A 400 for a body FastAPI could not read into the request model, naming the field: a body that is
-    not JSON, not an object, missing, or with a bad field (the first five are listed)."""
+    not JSON, not an object, missing, with fields the endpoint does not know (``Unrecognized request
+    argument(s) supplied: <names>``, as OpenAI says), or with a bad field (the first five are listed)."""
+    unknown = [".".join(str(x) for x in e.get("loc", ()) if x != "body") for e in exc.errors()
+               if e.get("type") == "extra_forbidden"]
+    if unknown:  # OpenAI's answer, word for word, to a field it does not know (a typo is not silently dropped)
+        s = "s" if len(unknown) > 1 else ""
+        return error_response(OpenAIError(400, f"Unrecognized request argument{s} supplied: {', '.join(unknown)}",
+                                          param=unknown[0]))
     first = exc.errors()[0] if exc.errors() else {}
     loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
     raw = first.get("input")

@@ -102,18 +102,20 @@ def _chat_choice(serving: OpenAIServing, c: CompletionOutput, top: int | None,
     if calling is not None:
         parsed = calling.parse(c.text)
         message = P.AssistantMessage(content=parsed.content, tool_calls=[
-            P.ToolCall(id=t.id, function=P.FunctionCall(name=t.name, arguments=t.arguments)) for t in parsed.tool_calls])
+            P.ToolCall(id=t.id, function=P.FunctionCall(name=t.name, arguments=t.arguments))
+            for t in parsed.tool_calls] or None)  # no calls: no field, as OpenAI
     return P.ChatCompletionChoice(index=c.index, message=message,
                                   finish_reason=finish_reason(c.finish_reason, bool(message.tool_calls)),
                                   logprobs=serving.chat_logprobs(c, 0, top) if top is not None else None)
 
 
-async def chat_full(serving: OpenAIServing, subs: Submitted, top: int | None,
+async def chat_full(serving: OpenAIServing, req: P.ChatCompletionRequest, subs: Submitted, top: int | None,
                     calling: ToolCalling | None = None) -> P.ChatCompletionResponse:
     """The whole chat completion, once every choice finished (tool calls parsed out when ``calling``)."""
     final = (await collect(subs))[0]
     choices = [_chat_choice(serving, c, top, calling) for c in final.outputs]
-    return P.ChatCompletionResponse(model=serving.model_name, choices=choices, usage=usage({0: final}))
+    return P.ChatCompletionResponse(id=req.response_id("chatcmpl"), model=serving.model_name, choices=choices,
+                                    usage=usage({0: final}))
 
 
 def _tool_deltas(parser: object, text: str, finished: bool) -> list[P.DeltaMessage]:
@@ -128,7 +130,7 @@ async def chat_stream(serving: OpenAIServing, req: P.ChatCompletionRequest, subs
                       top: int | None, calling: ToolCalling | None = None) -> AsyncIterator[str]:
     """The chat completion as server-sent events: the role first, then text deltas per choice (content and
     tool-call pieces when ``calling``)."""
-    cid, created = P.random_id("chatcmpl"), int(time.time())
+    cid, created = req.response_id("chatcmpl"), int(time.time())
 
     def chunk(choices: list[P.ChatCompletionStreamChoice], usage_info: P.UsageInfo | None = None) -> str:
         return P.sse(P.ChatCompletionChunk(id=cid, created=created, model=serving.model_name,
@@ -186,13 +188,14 @@ async def completion_full(serving: OpenAIServing, req: P.CompletionRequest, subs
         index=pi * req.n + c.index, text=echo[pi] + c.text, finish_reason=c.finish_reason,
         logprobs=serving.completion_logprobs(c, 0, top, len(echo[pi])) if top is not None else None)
         for pi in sorted(finals) for c in finals[pi].outputs]
-    return P.CompletionResponse(model=serving.model_name, choices=choices, usage=usage(finals))
+    return P.CompletionResponse(id=req.response_id("cmpl"), model=serving.model_name, choices=choices,
+                                usage=usage(finals))
 
 
 async def completion_stream(serving: OpenAIServing, req: P.CompletionRequest, subs: Submitted, top: int | None,
                             echo: list[str]) -> AsyncIterator[str]:
     """The text completion as server-sent events (the echoed prompt leads each choice's first delta)."""
-    cid, created = P.random_id("cmpl"), int(time.time())
+    cid, created = req.response_id("cmpl"), int(time.time())
     prev_text: dict[int, str] = {}
     prev_tok: dict[int, int] = {}
     done: set[int] = set()

@@ -86,6 +86,7 @@ class OpenAIServing:
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 seed=req.seed, max_tokens=max_tokens or room, min_tokens=req.min_tokens, stop=req.stop,
                 stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs,
+                skip_special_tokens=req.skip_special_tokens,
                 structured_outputs=structured)
         except ValueError as exc:
             raise as_openai_error(exc) from exc

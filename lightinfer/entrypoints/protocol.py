@@ -1,13 +1,20 @@
 """Pydantic schemas of the OpenAI-compatible API (the subset lightinfer serves).
 
 Field names and meanings follow OpenAI's API reference; ``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids`` and the structured-output
-``guided_*`` / ``structured_outputs`` fields are extras (as in vLLM) that the official client sends through
-``extra_body``. Unknown fields are ignored; OpenAI fields that lightinfer does not implement
-(``UNSUPPORTED``: ``logit_bias``, ``suffix``, the deprecated ``functions`` / ``function_call``, and
-``best_of``) are a 400 when set, rather than a reply that silently ignores them. Range checks live here so a
-bad value is a 400 naming the field before any work starts; ``response_format``, ``tools`` and the
-structured-output fields are checked where the request is prepared (``openai_structured``, the input layer).
+``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``,
+``request_id`` and the structured-output ``guided_*`` / ``structured_outputs`` fields are extras (as in vLLM)
+that the official client sends through ``extra_body``.
+
+A field that neither OpenAI nor vLLM documents for the endpoint is a 400 naming it, as OpenAI answers
+("Unrecognized request argument supplied: max_token"), so a misspelt setting is never silently dropped
+(``openai_errors.validation_error_response``). Documented fields that lightinfer does not implement
+(``UNSUPPORTED``, ``CHAT_UNSUPPORTED``: ``logit_bias``, ``suffix``, ``best_of``, the deprecated
+``functions`` / ``function_call``, vLLM's ``include_stop_str_in_output``, beam search, ...) are accepted at
+the value that asks for nothing and a 400 saying so otherwise. Fields that only label a request (``user``,
+``metadata``, ``store``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``) are accepted and
+change nothing in the reply. Range checks live here so a bad value is a 400 naming the field before any
+work starts; ``response_format``, ``tools`` and the structured-output fields are checked where the request
+is prepared (``openai_structured``, the input layer).
 """
 
 from __future__ import annotations
@@ -48,19 +55,55 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-# field -> (what it asks for, the values that ask for nothing): set to anything else, a clear 400.
+# field -> (what it asks for, the values that ask for nothing): set to anything else, a clear 400. Fields of
+# OpenAI's API and vLLM's documented extras, both endpoints.
 UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "functions": ("functions (OpenAI's deprecated form of tools)", (None, [])),
     "function_call": ("function_call (OpenAI's deprecated form of tool_choice)", (None, "none", "auto")),
     "logit_bias": ("logit_bias", (None, {})),
     "suffix": ("suffix (insertion)", (None, "")),
+    "use_beam_search": ("use_beam_search (beam search)", (None, False)),
+    "length_penalty": ("length_penalty (a beam-search setting)", (None, 1, 1.0)),
+    "include_stop_str_in_output": ("include_stop_str_in_output", (None, False)),
+    "spaces_between_special_tokens": ("spaces_between_special_tokens: false", (None, True)),
+    "truncate_prompt_tokens": ("truncate_prompt_tokens", (None,)),
+    "prompt_logprobs": ("prompt_logprobs", (None,)),
+    "allowed_token_ids": ("allowed_token_ids", (None,)),
+    "bad_words": ("bad_words", (None, [])),
+    "logits_processors": ("logits_processors", (None, [])),
+    "return_tokens_as_token_ids": ("return_tokens_as_token_ids", (None, False)),
+    "return_token_ids": ("return_token_ids", (None, False)),
+    "priority": ("priority (priority scheduling)", (None, 0)),
+    "cache_salt": ("cache_salt (per-tenant prefix-cache isolation)", (None,)),
+    "structural_tag": ("structural_tag", (None,)),
+    "guided_whitespace_pattern": ("guided_whitespace_pattern", (None,)),
+    "guided_decoding_backend": ("guided_decoding_backend other than llguidance",
+                                (None, "auto", "guidance", "llguidance")),
+    "kv_transfer_params": ("kv_transfer_params (disaggregated prefill)", (None,)),
+    "vllm_xargs": ("vllm_xargs", (None, {})),
+    "mm_processor_kwargs": ("mm_processor_kwargs (lightinfer serves text models)", (None, {})),
+}
+# the same for chat-only fields
+CHAT_UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "echo": ("echo on chat completions", (None, False)),
+    "continue_final_message": ("continue_final_message", (None, False)),
+    "add_special_tokens": ("add_special_tokens on chat completions (the chat template places them)", (None, False)),
+    "documents": ("documents (RAG chat templates)", (None, [])),
+    "chat_template": ("chat_template (a template per request)", (None,)),
+    "reasoning_effort": ("reasoning_effort", (None,)),
+    "modalities": ("modalities other than text", (None, ["text"])),
+    "audio": ("audio output", (None,)),
+    "prediction": ("prediction (predicted outputs)", (None,)),
+    "web_search_options": ("web_search_options", (None,)),
+    "verbosity": ("verbosity", (None, "medium")),
 }
 _INSTEAD = {"functions": "; send tools instead", "function_call": "; send tool_choice instead"}
+MAX_STOP = 4  # OpenAI's limit on stop sequences
 
 
 def _refuse_unsupported(name: str, value: Any) -> Any:
-    what, neutral = UNSUPPORTED[name]
-    if value not in neutral:
+    what, neutral = UNSUPPORTED[name] if name in UNSUPPORTED else CHAT_UNSUPPORTED[name]
+    if value is not None and not any(type(value) is type(n) and value == n for n in neutral):  # True is not 1
         raise ValueError(f"{what} is not supported by lightinfer; leave {name} out{_INSTEAD.get(name, '')}")
     return value
 
@@ -80,7 +123,8 @@ class _SamplingRequest(BaseModel):
     # allow_inf_nan=False: NaN/inf are a "finite number" error, not a confusing range one
     # strict: a JSON true is not max_tokens=1, nor "0.5" a temperature (OpenAI refuses both; ints still pass
     # for float fields)
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+    # extra="forbid": an unknown field is a 400 naming it (openai_errors), as OpenAI answers
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     model: str
     n: int = Field(1, ge=1, le=16)
@@ -96,10 +140,18 @@ class _SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # a signed 64-bit integer, as OpenAI takes
     stream: bool = False
     stream_options: StreamOptions | None = None
+    request_id: str | None = Field(None, min_length=1, max_length=128)  # vLLM's: the response id's suffix
+    # labels of the request (OpenAI's), which change nothing in the reply
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # structured outputs (checked by openai_structured when the request is prepared)
     response_format: Any = None
     guided_json: Any = None
@@ -107,9 +159,29 @@ class _SamplingRequest(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    # not implemented: a 400 unless set to the value that asks for nothing (UNSUPPORTED)
     functions: Any = None
     function_call: Any = None
     logit_bias: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    include_stop_str_in_output: Any = None
+    spaces_between_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    priority: Any = None
+    cache_salt: Any = None
+    structural_tag: Any = None
+    guided_whitespace_pattern: Any = None
+    guided_decoding_backend: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    mm_processor_kwargs: Any = None
 
     @field_validator(*[f for f in UNSUPPORTED if f != "suffix"])
     @classmethod
@@ -119,7 +191,20 @@ class _SamplingRequest(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop_text(cls, value: Any) -> Any:
+        if isinstance(value, list) and len(value) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed (as OpenAI allows), got {len(value)}")
         return _unicode(value, "a stop string")
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream: true")  # as OpenAI and vLLM answer
+        return value
+
+    def response_id(self, prefix: str) -> str:
+        """The response's id: ``prefix-<request_id>`` when the request names one (vLLM's), else a random one."""
+        return f"{prefix}-{self.request_id}" if self.request_id else random_id(prefix)
 
 
 class TextContentPart(BaseModel):
@@ -208,6 +293,29 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None  # None: true (OpenAI's default)
+    best_of: int | None = None  # vLLM takes it on chat too: only = n (no extra samples to pick from)
+    # not implemented: a 400 unless set to the value that asks for nothing (CHAT_UNSUPPORTED)
+    echo: Any = None
+    continue_final_message: Any = None
+    add_special_tokens: Any = None
+    documents: Any = None
+    chat_template: Any = None
+    reasoning_effort: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+
+    @field_validator(*CHAT_UNSUPPORTED)
+    @classmethod
+    def _chat_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unsupported(info.field_name, value)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        return _best_of_is_n(value, info)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -225,6 +333,15 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM's; False (no BOS added to the prompt) is not implemented
+
+    @field_validator("add_special_tokens")
+    @classmethod
+    def _special_tokens_added(cls, value: bool) -> bool:
+        if not value:
+            raise ValueError("add_special_tokens: false is not supported by lightinfer (the prompt is tokenized "
+                             "as the model's tokenizer does); leave it out, or send token ids")
+        return value
 
     @field_validator("prompt")
     @classmethod
@@ -246,10 +363,14 @@ class CompletionRequest(_SamplingRequest):
     @field_validator("best_of")
     @classmethod
     def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is not None and value != info.data.get("n", 1):
-            raise ValueError("best_of (sampling more completions than are returned) is not supported by lightinfer; "
-                             "leave it out, or use n")
-        return value
+        return _best_of_is_n(value, info)
+
+
+def _best_of_is_n(value: int | None, info: ValidationInfo) -> int | None:
+    if value is not None and value != info.data.get("n", 1):
+        raise ValueError("best_of (sampling more completions than are returned) is not supported by lightinfer; "
+                         "leave it out, or use n")
+    return value
 
 
 # ---------------------------------------------------------------------------- responses
@@ -294,9 +415,18 @@ class CompletionLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """A reply's message; ``tool_calls`` only when it called tools (OpenAI leaves the field out otherwise)."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_only_when_made(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if not out.get("tool_calls"):
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatCompletionChoice(BaseModel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -169,11 +170,13 @@ class Sampler:
     depend on the batch it shares.
 
     Args:
-        seed: seed of the shared generators (one per device) used by requests without their own seed.
+        seed: seed of the shared generators (one per device) used by requests without their own seed;
+            None: 63 random bits from the OS (:func:`os.urandom`), so unseeded sampling differs between
+            processes. ``self.seed`` is the seed in use either way.
     """
 
-    def __init__(self, seed: int = 0) -> None:
-        self.seed = seed
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = int.from_bytes(os.urandom(8), "little") >> 1 if seed is None else seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def generator_for(self, device: torch.device) -> torch.Generator:

@@ -182,6 +182,57 @@ def test_pipeline_api(tiny) -> None:
     assert "".join(pieces) == pipe("hello", max_tokens=6, temperature=0, ignore_eos=True).text
 
 
+def test_pipeline_and_chat_sample_as_the_model_recommends(tmp_path, tiny, monkeypatch) -> None:
+    """Issue 44 item 3: pipe("Hi!") sampled at temperature 1 / top-p 1 (gibberish from a small model) while the UI and
+    `lightinfer chat` start from the model's recommendation; now pipeline and LLM.chat without settings do too,
+    given settings win, and LLM.generate keeps vLLM's defaults."""
+    folder = tmp_path / "recommends"
+    shutil.copytree(tiny, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_p": 0.8, "top_k": 7}))
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tok_config["chat_template"] = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    llm = LLM(str(folder), num_kv_blocks=64)
+    assert llm.llm_engine.model_info()["sampling_defaults"] == {"temperature": 0.3, "top_p": 0.8, "top_k": 7}
+    seen: list[SamplingParams] = []
+    add = llm.llm_engine.add_request
+
+    def spy(rid, prompt, sampling_params=None, arrival_time=None):
+        seen.append(sampling_params or prompt.sampling_params)
+        return add(rid, prompt, sampling_params, arrival_time)
+
+    monkeypatch.setattr(llm.llm_engine, "add_request", spy)
+    pipe = Pipeline(llm)
+    recommended = (0.3, 0.8, 7)
+
+    def last() -> tuple:
+        p = seen[-1]
+        return p.temperature, p.top_p, p.top_k, p.max_tokens
+
+    pipe("Hi!", ignore_eos=True, max_tokens=2)
+    assert last() == (*recommended, 2)
+    p = pipe._params(None, {})
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (*recommended, 512)  # LMDeploy's limit
+    list(pipe.stream_infer("Hi!", max_tokens=2))
+    assert last() == (*recommended, 2)
+    pipe("Hi!", temperature=0, top_k=-1, max_tokens=2)
+    assert last() == (0, 0.8, -1, 2)  # given settings win, one by one
+    pipe("Hi!", SamplingParams(max_tokens=2))
+    assert last() == (1.0, 1.0, -1, 2)  # an explicit gen_config is taken as it is
+    llm.chat([{"role": "user", "content": "Hi!"}], use_tqdm=False)
+    assert last() == (*recommended, 16)  # vLLM's max_tokens
+    llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert last() == (1.0, 1.0, -1, 3)
+    llm.generate("Hi!", use_tqdm=False)
+    assert last() == (1.0, 1.0, -1, 16)  # generate keeps vLLM's defaults
+    # without a recommendation: the chat UI's own starting values
+    from lightinfer.sampling_params import CHAT_SAMPLING
+
+    plain = LLM(str(tiny), num_kv_blocks=64)
+    p = plain.chat_sampling_params(seed=3)
+    assert (p.temperature, p.top_p, p.top_k, p.seed) == (*CHAT_SAMPLING.values(), 3)
+
+
 def test_sliding_window_no_longer_caps_the_context(tmp_path) -> None:
     """Sliding-window attention is real now (tests/models/test_arch_parity.py): the context is the model's,
     not the window's, and a pool sized for the window plus a step's chunk serves it."""

@@ -134,7 +134,8 @@ def test_lone_surrogate_in_the_model_field_is_a_400_not_a_500(fake_server: LiveS
     """Issue 19 item 7: the 404 message echoed the model name, and a lone surrogate in it made the error response
     itself fail to encode (500)."""
     h = {"Authorization": "Bearer test-key", "Content-Type": "application/json"}
-    body = '{"model": "x\\ud800y", "messages": [{"role": "user", "content": "hi"}], "prompt": "hi"}'
+    body = '{"model": "x\\ud800y", ' + ('"prompt": "hi"}' if path == "completions" else
+                                         '"messages": [{"role": "user", "content": "hi"}]}')
     if path.startswith("models/"):
         r = httpx.get(f"{fake_server.url}/v1/models/x%ED%A0%80y", headers=h)  # the URL-encoded surrogate
         assert r.status_code in (400, 404), r.text
@@ -300,3 +301,101 @@ def test_a_body_that_is_not_utf8_says_so(fake_server: LiveServer) -> None:
     r = httpx.post(f"{fake_server.url}/v1/chat/completions", content=body,
                    headers={"Content-Type": "application/json", "Authorization": "Bearer test-key"})
     assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------------------- issue 44 item 5: no field is dropped
+H = {"Authorization": "Bearer test-key"}
+
+
+@pytest.mark.parametrize("path, base", [("chat/completions", {"messages": MSG}), ("completions", {"prompt": "x"})])
+def test_unknown_fields_are_a_400_naming_them_as_openai_does(fake_server: LiveServer, path: str, base: dict) -> None:
+    """`"max_token": 5, "temprature": 0` was a 200 with 95 tokens (both ignored); OpenAI answers 400 naming them."""
+    body = {"model": MODEL, **base, "max_token": 5, "temprature": 0}
+    r = httpx.post(f"{fake_server.url}/v1/{path}", json=body, headers=H, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"] == "Unrecognized request arguments supplied: max_token, temprature", err
+    assert err["type"] == "invalid_request_error" and err["param"] == "max_token"
+    r = httpx.post(f"{fake_server.url}/v1/{path}", json={**body, "temprature": None, "max_token": None}, headers=H)
+    assert r.status_code == 400  # null is no excuse: the name is still unknown
+    del body["temprature"]
+    r = httpx.post(f"{fake_server.url}/v1/{path}", json=body, headers=H, timeout=30)
+    assert r.json()["error"]["message"] == "Unrecognized request argument supplied: max_token"
+
+
+def test_unknown_field_through_the_official_client(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="Unrecognized request argument supplied: num_keep"):
+        client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, extra_body={"num_keep": 5})
+
+
+def test_documented_fields_at_their_neutral_values_and_request_labels_are_accepted(client: openai.OpenAI) -> None:
+    """OpenAI's request labels and vLLM's documented extras (set to what asks for nothing) are not 'unrecognized'."""
+    vllm = {"top_k": 5, "min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 1, "ignore_eos": True,
+            "skip_special_tokens": True, "stop_token_ids": [], "include_stop_str_in_output": False,
+            "spaces_between_special_tokens": True, "use_beam_search": False, "length_penalty": 1.0,
+            "chat_template_kwargs": {}, "add_generation_prompt": True, "continue_final_message": False, "echo": False,
+            "add_special_tokens": False, "priority": 0, "guided_decoding_backend": "auto", "best_of": 1,
+            "return_tokens_as_token_ids": False, "logits_processors": None, "documents": None}
+    r = client.chat.completions.create(
+        model=MODEL, messages=MSG, max_tokens=3, temperature=0, user="u1", metadata={"k": "v"}, store=False,
+        service_tier="auto", parallel_tool_calls=True, logit_bias={}, stop=["a", "b", "c", "d"], stream=False,
+        extra_body={**vllm, "prompt_cache_key": "k", "safety_identifier": "s", "modalities": ["text"]})
+    assert r.choices[0].message.content
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=3, user="u1", stream=True,
+                                  stream_options={"include_usage": True},
+                                  extra_body={"add_special_tokens": True, "include_stop_str_in_output": False,
+                                              "request_id": "mine-1", "top_k": -1})
+    chunks = list(r)
+    assert chunks[0].id == "cmpl-mine-1" and chunks[-1].usage.completion_tokens == 3
+
+
+def test_request_id_names_the_response(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, extra_body={"request_id": "abc"})
+    assert r.id == "chatcmpl-abc"
+    assert client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2).id.startswith("chatcmpl-")
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"include_stop_str_in_output": True}, "include_stop_str_in_output is not supported"),
+    ({"use_beam_search": True}, "beam search"),
+    ({"echo": True}, "echo on chat completions is not supported"),
+    ({"continue_final_message": True}, "continue_final_message is not supported"),
+    ({"reasoning_effort": "low"}, "reasoning_effort is not supported"),
+    ({"modalities": ["text", "audio"]}, "modalities other than text"),
+    ({"priority": 1}, "priority"),
+    ({"best_of": 3}, "best_of"),
+    ({"length_penalty": True}, "length_penalty"),  # not 1: a JSON true is no neutral value
+])
+def test_documented_but_not_implemented_is_a_400_saying_so(client: openai.OpenAI, extra: dict, needle: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, extra_body=extra)
+    assert needle in e.value.body["message"] and e.value.body["param"] == next(iter(extra)), e.value.body
+
+
+def test_completions_without_special_tokens_is_a_400_saying_so(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="add_special_tokens: false is not supported"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"add_special_tokens": False})
+
+
+@pytest.mark.parametrize("path, base", [("chat/completions", {"messages": MSG}), ("completions", {"prompt": "x"})])
+def test_more_than_four_stop_sequences_is_a_400_naming_stop(fake_server: LiveServer, path: str, base: dict) -> None:
+    body = {"model": MODEL, **base, "max_tokens": 2, "stop": ["a", "b", "c", "d", "e"]}
+    r = httpx.post(f"{fake_server.url}/v1/{path}", json=body, headers=H, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+    assert "at most 4 stop sequences" in r.json()["error"]["message"]
+    r = httpx.post(f"{fake_server.url}/v1/{path}", json={**body, "stop": ["a", "b", "c", "d"]}, headers=H, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_stream_options_need_stream(fake_server: LiveServer) -> None:
+    body = {"model": MODEL, "messages": MSG, "max_tokens": 2, "stream_options": {"include_usage": True}}
+    r = httpx.post(f"{fake_server.url}/v1/chat/completions", json=body, headers=H, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+
+
+def test_a_reply_without_tool_calls_has_no_tool_calls_field(fake_server: LiveServer) -> None:
+    """OpenAI leaves `tool_calls` out of a message that called no tool; it was `"tool_calls": []`."""
+    body = {"model": MODEL, "messages": MSG, "max_tokens": 3, "temperature": 0}
+    message = httpx.post(f"{fake_server.url}/v1/chat/completions", json=body, headers=H,
+                         timeout=30).json()["choices"][0]["message"]
+    assert set(message) == {"role", "content"}, message

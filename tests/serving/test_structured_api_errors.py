@@ -91,7 +91,7 @@ def test_valid_tool_history_and_neutral_values_are_accepted(client: openai.OpenA
     # (the fake engine's 512-token context has no room for the tool prompt: tool_choice "none" leaves it out)
     r = client.chat.completions.create(model=MODEL, messages=history, tools=[TOOL], tool_choice="none",
                                        max_tokens=3, temperature=0)
-    assert r.choices[0].message.tool_calls == [] and r.choices[0].message.content
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
     r = client.chat.completions.create(model=MODEL, messages=MSG, tools=[TOOL], tool_choice="none", max_tokens=3,
                                        response_format={"type": "text"}, temperature=0)
     assert r.choices[0].finish_reason == "length"
