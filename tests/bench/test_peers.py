@@ -129,18 +129,27 @@ def test_others_meter_sees_load_that_starts_during_a_measurement() -> None:
 def test_step_floor_zeroes_the_products_only_inside_and_names_the_cpu() -> None:
     from bench.common.machine import cpu_name
     from bench.kernels import cpu_step_floor
-    from lightinfer.layers import linear, w8_linear
+    from lightinfer.layers.linear import W4A16Linear
+    from lightinfer.layers.w8_linear import W8A16Linear
 
-    real = (linear.cpu_quant_linear, w8_linear.cpu_quant_linear, w8_linear.cpu_int8_linear)
-    weight = type("W", (), {"out_features": 5})()
-    x = torch.ones(2, 3, 8, dtype=torch.bfloat16)
-    with cpu_step_floor.patched("no layer GEMMs"):
-        y = linear.cpu_quant_linear(x, weight, None, torch.float32)
-        assert y.shape == (2, 3, 5) and y.dtype == torch.float32 and not y.any()
-        assert w8_linear.cpu_int8_linear is real[2]  # the LM head still runs
-    with cpu_step_floor.patched("no GEMMs"):
-        assert w8_linear.cpu_int8_linear is not real[2] and w8_linear.cpu_quant_linear is not real[1]
-    assert (linear.cpu_quant_linear, w8_linear.cpu_quant_linear, w8_linear.cpu_int8_linear) == real
+    torch.manual_seed(0)
+    w4 = W4A16Linear(64, 16, False, 32, torch.bfloat16)
+    w4.qweight.random_(-(2**31), 2**31 - 1)
+    w4.scales.uniform_(0.01, 0.02)
+    w8 = W8A16Linear(64, 16, False, 64, torch.bfloat16)
+    w8.qweight.random_(-128, 127)
+    w8.scales.uniform_(0.01, 0.02)
+    model = torch.nn.Sequential(w4, w8)
+    model.apply(lambda m: m.pack_for_cpu() if hasattr(m, "pack_for_cpu") else None)
+    forms = (w4.weight_impl, w8.weight_impl)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with cpu_step_floor.patched(model, "no layer GEMMs"):
+        y = w4(x)
+        assert y.shape == (3, 16) and not y.any()
+        assert w8(x).any() and w8.weight_impl is forms[1]  # the 8-bit layers (the LM head) still run
+    with cpu_step_floor.patched(model, "no GEMMs"):
+        assert not w4(x).any() and not w8(x).any()
+    assert (w4.weight_impl, w8.weight_impl) == forms and w4(x).any()
     assert cpu_name()
 
 
