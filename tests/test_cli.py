@@ -108,6 +108,13 @@ def test_help_and_version_import_no_heavy_module() -> None:
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:] + out.stderr[-2000:]
 
 
+def test_the_cli_offers_the_cpu_products_the_kernels_know() -> None:
+    from lightinfer.cli.common import CPU_W4_NAMES
+    from lightinfer.kernels.switches import CPU_W4_NAMES as KERNEL_NAMES
+
+    assert CPU_W4_NAMES == KERNEL_NAMES
+
+
 def test_the_package_still_exports_its_api_lazily() -> None:
     import lightinfer
 

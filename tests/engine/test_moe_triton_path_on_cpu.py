@@ -11,8 +11,12 @@ import torch
 
 from tests.models.test_moe_parity import moe_checkpoint
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1",
-                                reason="runs the Triton kernels on CPU: needs TRITON_INTERPRET=1")
+pytestmark = [
+    # a whole model's GPU path under the interpreter: about a minute each, so `make test-audit` / `make test-all`
+    pytest.mark.audit,
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1",
+                       reason="runs the Triton kernels on CPU: needs TRITON_INTERPRET=1"),
+]
 
 
 def test_w4_moe_triton_path_matches_torch_cpu_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

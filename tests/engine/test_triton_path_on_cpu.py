@@ -15,8 +15,12 @@ import random
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1",
-                                reason="runs the Triton kernels on CPU: needs TRITON_INTERPRET=1")
+pytestmark = [
+    # a whole model's GPU path under the interpreter: about a minute each, so `make test-audit` / `make test-all`
+    pytest.mark.audit,
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1",
+                       reason="runs the Triton kernels on CPU: needs TRITON_INTERPRET=1"),
+]
 
 
 def _tiny_dir(tmp_path_factory: pytest.TempPathFactory, arch: str) -> str:

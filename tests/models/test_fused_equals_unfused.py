@@ -75,6 +75,7 @@ def test_fused_model_equals_unfused_on_cpu(tmp_path_factory: pytest.TempPathFact
     assert tokens_f == tokens_u and all(len(t) == 3 for t in tokens_f)
 
 
+@pytest.mark.audit  # the GPU path of whole models under the interpreter: ~45 s each (`make test-audit`)
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1",
                     reason="runs the Triton kernels on CPU: needs TRITON_INTERPRET=1")
 # Under the interpreter each architecture costs ~30 s of CI: Qwen2 is Llama's layer plus q/k/v biases (and the

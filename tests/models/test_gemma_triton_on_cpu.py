@@ -10,8 +10,12 @@ import random
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1",
-                                reason="runs the Triton kernels on CPU: needs TRITON_INTERPRET=1")
+pytestmark = [
+    # a whole model's GPU path under the interpreter: about a minute each, so `make test-audit` / `make test-all`
+    pytest.mark.audit,
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1",
+                       reason="runs the Triton kernels on CPU: needs TRITON_INTERPRET=1"),
+]
 
 
 def test_gemma2_triton_path_matches_torch_cpu_path(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
