@@ -211,6 +211,7 @@ def test_without_a_compiler_the_ops_fall_back(monkeypatch: pytest.MonkeyPatch, t
 
 @needs_native
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 targets")
+@pytest.mark.audit  # four compiles of every C source, ~25 s (`make test-audit`)
 @pytest.mark.parametrize("march", ["x86-64", "haswell", "icelake-server", "sapphirerapids"])
 def test_the_c_ops_compile_for_every_x86_generation(march: str, tmp_path: Path) -> None:
     """The library is built with -march=native on the user's CPU, so each source must compile for CPUs other

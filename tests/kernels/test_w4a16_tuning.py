@@ -208,6 +208,7 @@ def test_merge_keeps_other_entries(tmp_path: Path) -> None:
     assert [m for m, _ in wt.parse_file(path)[key]] == [2, 16]
 
 
+@pytest.mark.audit  # every tuning candidate launched under the interpreter: ~20 s (`make test-audit`)
 def test_every_candidate_runs_under_the_interpreter() -> None:
     """The tuner end to end on CPU at a small shape: every launch it generates compiles and matches the built-in
     one (a bad candidate would be 'rejected' with its error), and the winner is a launch the file can hold."""
