@@ -31,6 +31,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 BUSY_LOOP = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
+# a competitor like a test suite or another model beside the engine: torch's matrix products on every core, whose
+# OpenMP threads spin between products as the engine's do
+TORCH_LOOP = ("import os, time, torch\ntorch.set_num_threads(len(os.sched_getaffinity(0)))\na = torch.randn(384, 384)\n"
+              "end = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    a @ a\n")
+COMPETITORS = {"loop": BUSY_LOOP, "torch": TORCH_LOOP}
 
 
 # ---------------------------------------------------------------- worker (one engine)
@@ -178,6 +183,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="sequences per measurement")
     ap.add_argument("--fixed", type=int, default=None,
                     help="the fixed count to compare with (default: the usable cores, the old default)")
+    ap.add_argument("--competitor", choices=sorted(COMPETITORS), default="loop",
+                    help="the busy process: a one-thread Python loop, or torch's matrix products on every core")
     ap.add_argument("--busy-limit", type=float, default=900.0,
                     help="seconds after which a busy-loop process ends by itself (it is stopped sooner)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu_contention.json")
@@ -213,7 +220,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for load in ("idle", "busy"):
                 busy = None
                 if load == "busy":
-                    busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP.format(seconds=args.busy_limit)])
+                    busy = subprocess.Popen([sys.executable, "-c",
+                                             COMPETITORS[args.competitor].format(seconds=args.busy_limit)])
                     time.sleep(0.5)
                 try:
                     for s in order:
@@ -234,6 +242,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             e.close()
     result.update(summarize(runs, settings))
     result["runs"] = runs
+    result["competitor"] = args.competitor
     result["targets"] = {"idle_auto_over_fixed": "<= 1.05", "busy_fixed_over_auto": ">= 10"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
