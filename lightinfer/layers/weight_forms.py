@@ -195,16 +195,19 @@ class _PreparedLowbit(LinearWeight):
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in vars(self.prepared).values() if isinstance(t, torch.Tensor)]
 
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.runtime is not None and backend_name(x) != "torch_cpu":
+            return self.runtime.forward(x, bias)
+        return self._product(x, self.prepared, bias, out_dtype=self.out_dtype)
+
+    # the product of this form's prepared weight (kernels.cpu_lowbit): the 4-bit ones by default
+    _product = staticmethod(cpu_quant_linear)
+
 
 class NativeW4Weight(_PreparedLowbit):
     """A 4-bit weight in the C product's layout (``CpuW4Weight``, ``cpu_native.w4_linear``)."""
 
     same_codes = True
-
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.runtime is not None and backend_name(x) != "torch_cpu":
-            return self.runtime.forward(x, bias)
-        return cpu_quant_linear(x, self.prepared, bias, out_dtype=self.out_dtype)
 
 
 class TorchInt4Weight(_PreparedLowbit):
@@ -213,20 +216,12 @@ class TorchInt4Weight(_PreparedLowbit):
 
     same_codes = True
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.runtime is not None and backend_name(x) != "torch_cpu":
-            return self.runtime.forward(x, bias)
-        return cpu_quant_linear(x, self.prepared, bias, out_dtype=self.out_dtype)
-
 
 class Int8PerChannelWeight(_PreparedLowbit):
     """An 8-bit weight requantized to one int8 scale per output row (``CpuInt8Weight``: an LM head's table),
     for ``cpu_native.w8_linear`` or torch's ``_weight_int8pack_mm``."""
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.runtime is not None and backend_name(x) != "torch_cpu":
-            return self.runtime.forward(x, bias)
-        return cpu_int8_linear(x, self.prepared, bias, out_dtype=self.out_dtype)
+    _product = staticmethod(cpu_int8_linear)
 
 
 def lowbit_weight(prepared: CpuW4Weight | CpuQuantWeight | CpuInt8Weight | None,
