@@ -16,6 +16,7 @@ scripts and tests; ``/metrics`` has the counters and the request latencies for P
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -28,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lightinfer.engine.async_engine import AsyncLLMEngine
+from lightinfer.entrypoints.api_docs import add_swagger_ui
 from lightinfer.entrypoints.http_limits import HTTPLimits, uvicorn_config
 from lightinfer.entrypoints.metrics import ServingMetrics
 from lightinfer.entrypoints.openai_api import (
@@ -123,8 +125,12 @@ def build_api_app(
 
     # /openapi.json, /docs and /redoc describe this app's routes and the /v1 app's (openapi_schema below);
     # they are matched before the chat UI mounted at "/", whose own schema would describe Gradio's routes.
-    app = FastAPI(title="lightinfer", lifespan=lifespan, docs_url="/docs", redoc_url="/redoc",
-                  openapi_url="/openapi.json")
+    # /docs from the installed Swagger UI bundle where there is one (api_docs.py: FastAPI's page needs a CDN)
+    local_docs = importlib.util.find_spec("swagger_ui_bundle") is not None
+    app = FastAPI(title="lightinfer", lifespan=lifespan, docs_url=None if local_docs else "/docs",
+                  redoc_url="/redoc", openapi_url="/openapi.json")
+    if local_docs:
+        add_swagger_ui(app, "lightinfer")
     app.state.engine, app.state.metrics = engine, metrics
 
     @app.get("/health")

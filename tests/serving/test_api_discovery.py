@@ -37,6 +37,11 @@ def test_openapi_json_describes_the_v1_routes_with_the_ui_mounted(fake_server: L
 def test_docs_page_is_the_swagger_ui_of_that_schema(fake_server: LiveServer) -> None:
     r = httpx.get(f"{fake_server.url}/docs", timeout=10)
     assert r.status_code == 200 and "swagger-ui" in r.text and "/openapi.json" in r.text
+    # its script and stylesheet come from this server (the ui extra's bundle), not a CDN: it works offline
+    assert "cdn." not in r.text and "/docs/assets/swagger-ui-bundle.js" in r.text
+    for asset in ("swagger-ui-bundle.js", "swagger-ui.css"):
+        got = httpx.get(f"{fake_server.url}/docs/assets/{asset}", timeout=10)
+        assert got.status_code == 200 and len(got.content) > 10_000
 
 
 def test_the_api_only_server_serves_the_same_schema() -> None:
