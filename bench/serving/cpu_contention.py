@@ -2,7 +2,7 @@
 default: fewer threads while other processes hold cores, ``lightinfer/engine/cpu_threads.py``) against a count
 fixed at every usable core (what the default was before it).
 
-    .venv/bin/python bench/serving/cpu_contention.py [--rounds 3] [--tokens 32] [--batches 1 4]
+    .venv/bin/python -m bench.serving.cpu_contention [--rounds 3] [--tokens 32] [--batches 1 4]
 
 One engine per setting, each in its own process, loaded once and warmed up (decode steps recorded). Then,
 round by round, each engine generates ``--tokens`` tokens for 1 and for 4 sequences on the machine as it is
@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.common.procfs import cpu_seconds, machine_busy_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -81,16 +83,9 @@ def worker(threads: str, model: str, batches: list[int]) -> None:
 
 # ---------------------------------------------------------------- parent
 
-def _process_cpu(pid: int) -> float:
-    """CPU seconds of a process (all its threads) from /proc/<pid>/stat."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _machine_busy() -> float:
-    """CPU seconds every core has been busy since boot (/proc/stat's first line)."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return sum(values[i] for i in (0, 1, 2, 5, 6, 7)) / os.sysconf("SC_CLK_TCK")
+def _pids_cpu(pids: list[int]) -> float:
+    """CPU seconds of these processes (all their threads) so far; one that has ended counts 0."""
+    return sum(cpu_seconds(pid) or 0.0 for pid in pids)
 
 
 class Engine:
@@ -99,7 +94,7 @@ class Engine:
     def __init__(self, setting: str, model: str, batches: list[int]) -> None:
         self.setting = setting
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--worker", setting, "--model", model, "--batches", *map(str, batches)],
+            [sys.executable, "-m", "bench.serving.cpu_contention", "--worker", setting, "--model", model, "--batches", *map(str, batches)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
 
     def ready(self) -> dict[str, Any]:
@@ -115,12 +110,12 @@ class Engine:
     def measure(self, batch: int, tokens: int, busy_pid: int | None) -> dict[str, Any]:
         assert self.proc.stdin is not None
         pids = [self.proc.pid] + ([busy_pid] if busy_pid else [])
-        cpu0, busy0, t0 = sum(map(_process_cpu, pids)), _machine_busy(), time.monotonic()
+        cpu0, busy0, t0 = _pids_cpu(pids), machine_busy_seconds(), time.monotonic()
         self.proc.stdin.write(json.dumps({"batch": batch, "tokens": tokens}) + "\n")
         self.proc.stdin.flush()
         out = self._answer()
         span = time.monotonic() - t0
-        cpu1, busy1 = sum(map(_process_cpu, pids)), _machine_busy()
+        cpu1, busy1 = _pids_cpu(pids), machine_busy_seconds()
         out["background_cores"] = round(max(0.0, (busy1 - busy0) - (cpu1 - cpu0)) / span, 2)
         return out
 
