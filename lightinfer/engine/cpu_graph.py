@@ -424,6 +424,9 @@ class CpuDecodeGraphRunner(DecodeGraphRunner):
         return out
 
 
+NOT_A_CPU_ENGINE = "not a CPU engine (a CUDA engine replays CUDA graphs)"
+
+
 def replay_unavailable(device: torch.device, enforce_eager: bool, num_kv_groups: int, dtype: torch.dtype,
                        backend: str) -> str | None:
     """Why an engine records no CPU decode step at all, or None when it does (``model_runner._cpu_graph_runner``).
@@ -434,7 +437,7 @@ def replay_unavailable(device: torch.device, enforce_eager: bool, num_kv_groups:
             backend (``layers.ops.backend_name``).
     """
     if device.type != "cpu":
-        return "not a CPU engine (a CUDA engine replays CUDA graphs)"
+        return NOT_A_CPU_ENGINE
     if enforce_eager:
         return "enforce_eager is set"
     if dtype != torch.bfloat16:

@@ -36,6 +36,7 @@ import torch
 
 from lightinfer.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from lightinfer.engine.cpu_graph import (
+    NOT_A_CPU_ENGINE,
     CpuDecodeGraphRunner,
     eager_above,
     log_replay_plan,
@@ -145,7 +146,7 @@ class CudaPlatform(Platform):
 
     def prepare_process(self, runner: ModelRunner) -> None:
         torch.cuda.set_device(runner.device)  # Triton launches and graph capture use the current device, not the tensors'
-        runner.cpu_replay_off = replay_unavailable(runner.device, runner.config.enforce_eager, 1, runner.dtype, "")
+        runner.cpu_replay_off = NOT_A_CPU_ENGINE  # (model_info()["cpu_decode_replay"])
 
     def check_memory(self, runner: ModelRunner, model_cls: type, checkpoint: Checkpoint) -> None:
         pass  # the GPU's budget is checked on the loaded model (kv_budget_bytes: check_weights_fit, plan_kv_pool)
