@@ -55,7 +55,9 @@ def test_generate_in_two_processes_differs_without_a_seed_and_repeats_with_one(f
         out, err = p.communicate(timeout=600)
         assert p.returncode == 0, err
         ids = out.split()
-        assert len(ids) == 16 and all(t.isdigit() for t in ids), out
+        # up to 16 tokens: a draw of the end-of-sequence token (id 2 of the dummy model's vocabulary) ends one early
+        assert 1 <= len(ids) <= 16 and all(t.isdigit() for t in ids), out
+        assert len(ids) == 16 or ids[-1] == "2", out
         outs.append(ids)
     assert outs[0] != outs[1]  # 16 draws from ~300 near-equally likely tokens: equal only by a 1e-39 chance
     assert outs[2] == outs[3]
