@@ -14,6 +14,8 @@ the cores they leave free::
     go up to  cores - ceil(others - raise_below)    threads when that is more, hold_s after the last change
 
 No probing is needed to return: on fewer threads the measurement still sees whether the other cores are in use.
+A window that spans a time without steps (longer than :attr:`ContentionPolicy.stale_s`) is dropped unread: the
+decision is about the cores now, not about what ran while the engine waited for work.
 Every process's time counts, niced ones too: beside an engine on all its cores a ``nice 19`` busy loop gets ~1.5%
 of a core and is not seen, but on a core the engine has given up it takes all the time, and the engine waits for
 it to end before taking the core back. The chosen count is applied with ``torch.set_num_threads`` on the engine thread, which
@@ -60,16 +62,22 @@ class ContentionPolicy:
         raise_below: the part of a core, beyond whole cores, that they must fall below for a thread to be taken
             back (lower than ``drop_above``: no back and forth at the edge).
         hold_s: seconds after a change before the count may go up again.
+        stale_s: a window longer than this (the engine had no step to sample at: an idle server, a pause between
+            requests) decides nothing and starts a new one: what other processes did while the engine sat idle,
+            such as another engine's steps or a build that has ended, says little about the cores now, and a
+            drop decided on it would hold the engine on fewer threads for ``hold_s`` on a free machine.
     """
 
     window_s: float = 0.25
     drop_above: float = 0.3
     raise_below: float = 0.15
     hold_s: float = 1.0
+    stale_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.window_s <= 0 or self.hold_s < 0 or not (0 <= self.raise_below <= self.drop_above < 1):
-            raise ValueError(f"a contention policy needs window_s > 0, hold_s >= 0 and "
+        if (self.window_s <= 0 or self.hold_s < 0 or self.stale_s < self.window_s
+                or not (0 <= self.raise_below <= self.drop_above < 1)):
+            raise ValueError(f"a contention policy needs window_s > 0, hold_s >= 0, stale_s >= window_s and "
                              f"0 <= raise_below <= drop_above < 1, got {self}")
 
 
@@ -110,7 +118,8 @@ class ThreadController:
             busy_cpu_s: the CPU seconds all processes have spent on the measured cores (a running total).
             own_cpu_s: the CPU seconds this process has spent (a running total, all its threads).
         Returns:
-            the count to run on: unchanged until ``window_s`` has passed since the window's start.
+            the count to run on: unchanged until ``window_s`` has passed since the window's start, and unchanged
+            (a new window begun) when more than ``stale_s`` has.
         """
         if self._since is None:
             self._since = (wall_s, busy_cpu_s, own_cpu_s)
@@ -118,6 +127,9 @@ class ThreadController:
         wall0, busy0, own0 = self._since
         span = wall_s - wall0
         if span < self.policy.window_s:
+            return self.threads
+        if span > self.policy.stale_s:
+            self._since = (wall_s, busy_cpu_s, own_cpu_s)
             return self.threads
         others = max(0.0, (busy_cpu_s - busy0) - (own_cpu_s - own0)) / span
         self._since = (wall_s, busy_cpu_s, own_cpu_s)

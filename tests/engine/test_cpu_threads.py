@@ -110,9 +110,28 @@ def test_short_spans_decide_nothing() -> None:
     assert ctl.observe(0.3, 0.6, 0.0) == 1 and ctl.others_cores == pytest.approx(2.0)
 
 
+def test_a_window_across_an_idle_gap_decides_nothing() -> None:
+    """The engine sat idle for 5 s while another process ran; that process has ended when steps resume: the
+    stale window is dropped unread and the steps keep every core, while a competitor that is still there is
+    seen one window later."""
+    m, ctl = Machine(), ThreadController(2, 2, POLICY)
+    _run(ctl, m, 1.0)
+    m.own, m.others = 0.0, 2.0  # no steps; something else takes both cores
+    m.advance(5.0)
+    m.others = 0.0
+    assert set(_run(ctl, m, 2.0)) == {2} and ctl.switches == 0
+    m.own, m.others = 0.0, 2.0
+    m.advance(5.0)  # this time it goes on running beside the steps
+    m.others = 2 / 3
+    counts = _run(ctl, m, 1.0)
+    assert counts[0] == 2 and counts[-1] == 1 and counts.index(1) in (5, 6)
+
+
 def test_policy_and_controller_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="raise_below"):
         ContentionPolicy(drop_above=0.1, raise_below=0.2)
+    with pytest.raises(ValueError, match="stale_s"):
+        ContentionPolicy(window_s=0.5, stale_s=0.25)
     with pytest.raises(ValueError, match="max_threads"):
         ThreadController(0, 2)
 
