@@ -109,10 +109,14 @@ def specs(args: argparse.Namespace) -> list[tuple[servers.ServerSpec, int]]:
                                       install.hf_folder_path(args.peers_dir), port, slots, max(2048, context + 64),
                                       args.vllm_memory_fraction), port))
     if "lightinfer" in args.servers:
+        installs = [(None, Path(sys.executable).parent / "lightinfer"), *getattr(args, "lightinfer_baseline", [])]
         for model in args.lightinfer:
-            port = servers.free_port()
-            spec = servers.lightinfer_spec(Path(sys.executable).parent / "lightinfer", model, port)
-            out.append((dataclasses.replace(spec, env={**spec.env, **isa_env(args.isa)}), port))
+            for label, exe in installs:
+                port = servers.free_port()
+                spec = servers.lightinfer_spec(exe, model, port)
+                if label:
+                    spec = dataclasses.replace(spec, label=f"{spec.label} ({label})")
+                out.append((dataclasses.replace(spec, env={**spec.env, **isa_env(args.isa)}), port))
     return out
 
 
@@ -121,12 +125,13 @@ def isa_env(isa: str) -> dict[str, str]:
     return install.AVX2_ENV if isa == "avx2" else {}
 
 
-def prebuild_c_ops(isa: str = "native") -> str:
+def prebuild_c_ops(isa: str = "native", python: Path | None = None) -> str:
     """Build lightinfer's C ops into their cache before its start-up is timed, as every start after a machine's
-    first finds them (vLLM's and llama.cpp's compiled parts are built at install too); returns the report's note."""
+    first finds them (vLLM's and llama.cpp's compiled parts are built at install too); returns the report's note.
+    ``python``: the interpreter of another install to build for (a baseline's; default this one)."""
     code = "from lightinfer.kernels import cpu_native; print(cpu_native.library() is not None, cpu_native.status)"
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
+    done = subprocess.run([str(python or sys.executable), "-c", code], capture_output=True, text=True, check=False,
                           env={**os.environ, **isa_env(isa)})
     took = time.monotonic() - start
     print(f"[run] lightinfer's C ops: {done.stdout.strip() or done.stderr.strip()[-300:]} ({took:.1f} s)", flush=True)

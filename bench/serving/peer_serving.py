@@ -60,6 +60,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help=f"comma-separated subset of {','.join(SERVER_CHOICES)} (default: all, in that order)")
     ap.add_argument("--lightinfer", action="append", metavar="'MODEL [SERVE OPTIONS]'",
                     help="one lightinfer row: `lightinfer serve` arguments (repeatable; default smollm2-135m-instruct)")
+    ap.add_argument("--lightinfer-baseline", action="append", default=[], metavar="LABEL=PATH",
+                    help="also measure each lightinfer row with another install's `lightinfer` executable (e.g. "
+                         "an older commit's checkout and venv), its rows labelled LABEL: before and after a change "
+                         "in one run, against the same peers (repeatable)")
     ap.add_argument("--loads", nargs="+", type=_load, default=[client.Load(1, 6), client.Load(16, 64)],
                     metavar="USERS:REQUESTS", help="measurements per server (default 1:6 16:64)")
     ap.add_argument("--input-len", type=int, default=128, help="prompt tokens (default 128)")
@@ -90,6 +94,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.lightinfer and "lightinfer" not in args.servers:
         ap.error("--lightinfer given but 'lightinfer' is not in --servers")
     args.lightinfer = args.lightinfer or ["smollm2-135m-instruct"]
+    baselines = []
+    for item in args.lightinfer_baseline:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not Path(path).is_file():
+            ap.error(f"--lightinfer-baseline '{item}': want LABEL=PATH, PATH an existing `lightinfer` executable")
+        baselines.append((label, Path(path)))
+    args.lightinfer_baseline = baselines
     if min(args.input_len, args.output_len, args.threads) < 1:
         ap.error("--input-len, --output-len and --threads must be >= 1")
     return args
@@ -105,6 +116,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     meta_ = meta()
     if "lightinfer" in args.servers:
         meta_["note"] = prebuild_c_ops(args.isa)
+        for _, exe in args.lightinfer_baseline:
+            prebuild_c_ops(args.isa, exe.parent / "python")
     if args.isa != "native":
         meta_["isa"] = (f"{args.isa} only: llama.cpp and lightinfer built for it on this CPU, torch kept to it "
                        f"({', '.join(f'{k}={v}' for k, v in isa_env(args.isa).items())})")
