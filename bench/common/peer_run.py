@@ -131,7 +131,8 @@ def prebuild_c_ops(isa: str = "native", python: Path | None = None) -> str:
     ``python``: the interpreter of another install to build for (a baseline's; default this one)."""
     code = "from lightinfer.kernels import cpu_native; print(cpu_native.library() is not None, cpu_native.status)"
     start = time.monotonic()
-    done = subprocess.run([str(python or sys.executable), "-c", code], capture_output=True, text=True, check=False,
+    # -P: not the working directory's lightinfer (a checkout) but the one installed for that interpreter
+    done = subprocess.run([str(python or sys.executable), "-P", "-c", code], capture_output=True, text=True, check=False,
                           env={**os.environ, **isa_env(isa)})
     took = time.monotonic() - start
     print(f"[run] lightinfer's C ops: {done.stdout.strip() or done.stderr.strip()[-300:]} ({took:.1f} s)", flush=True)
