@@ -177,6 +177,7 @@ class W4A16Linear(nn.Module):
         if form is None:
             self.weight_impl = dense_weight_form(self.dense_weight(), runtime)
             return
+        form.bind_bias(self.bias)
         self.weight_impl = form
         if not self.rows_read:  # the same codes in another layout: one copy
             self.qweight = self.scales = self.zeros = None

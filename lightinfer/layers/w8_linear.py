@@ -136,6 +136,7 @@ class W8A16Linear(nn.Module):
         if form is None:
             self.weight_impl = dense_weight_form(self.dense_weight().to(self.dtype), runtime)
             return
+        form.bind_bias(self.bias)
         self.weight_impl = form
         if not self.rows_read:
             self.qweight = self.scales = self.zeros = None  # the same codes in another layout: one copy

@@ -188,16 +188,25 @@ class _PreparedLowbit(LinearWeight):
         self.prepared = prepared
         self.out_dtype = out_dtype
         self.runtime = runtime
+        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (the layer's 16-bit bias, its fp32 copy)
+
+    def bind_bias(self, bias: torch.Tensor | None) -> None:
+        """Keep an fp32 copy of the layer's 16-bit ``bias``: the C products add an fp32 bias, and converting it
+        at every call would also keep a decode step from being replayed (``cpu_graph.py``)."""
+        self._bias = (bias, bias.to(torch.float32)) if bias is not None and bias.dtype != torch.float32 else None
 
     def nbytes(self) -> int:
-        return self.prepared.nbytes
+        return self.prepared.nbytes + (self._bias[1].nbytes if self._bias is not None else 0)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in vars(self.prepared).values() if isinstance(t, torch.Tensor)]
+        held = [t for t in vars(self.prepared).values() if isinstance(t, torch.Tensor)]
+        return held + ([self._bias[1]] if self._bias is not None else [])
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.runtime is not None and backend_name(x) != "torch_cpu":
             return self.runtime.forward(x, bias)
+        if self._bias is not None and bias is self._bias[0]:
+            bias = self._bias[1]
         return self._product(x, self.prepared, bias, out_dtype=self.out_dtype)
 
     # the product of this form's prepared weight (kernels.cpu_lowbit): the 4-bit ones by default

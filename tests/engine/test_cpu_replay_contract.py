@@ -36,11 +36,10 @@ CASES: dict[str, tuple[str, dict]] = {
 # the cases that decode eagerly on a CPU, and what their reason says (README: "Models")
 EXPECTED_EAGER = {
     "mistral": "attend_decode declined: a sliding window",
-    "qwen2": "w4_linear declined: a torch.bfloat16 bias",
     "gemma2": "2 KV-cache groups",
     "gemma3": "attend_decode declined: a sliding window",
     "mixtral": "fused_moe declined: the experts' calls depend on each step's routing",
-    "qwen2-moe": "w4_linear declined: a torch.bfloat16 bias, converted to fp32 at each call; fused_moe declined",
+    "qwen2-moe": "fused_moe declined",
     "qwen3-moe": "fused_moe declined",
 }
 PROMPTS = [[5 + i for i in range(n)] for n in (4, 11)]
