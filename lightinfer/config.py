@@ -11,6 +11,7 @@ import torch
 
 from lightinfer.kernels import KV_BLOCK_SIZES
 from lightinfer.kernels.switches import CPU_W4_NAMES
+from lightinfer.speculative_config import SpeculativeConfig
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -173,6 +174,10 @@ class EngineConfig:
             "int8" (activations int8 per block of 32: faster, each layer's output moves by ~1%) or "torch"
             (torch's int4 GEMM with bf16 activations, and its int8 GEMM for an 8-bit LM head). None = the
             ``LIGHTINFER_CPU_W4`` environment switch (default "c"). ``kernels/switches.py``.
+        speculative_config: speculative decoding (vLLM's name): a :class:`SpeculativeConfig`, a dict, a JSON
+            object's text or a JSON file's path, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``
+            (``lightinfer/speculative_config.py``, ``engine/spec/``); None = off. Greedy output is identical
+            with it on; sampled output has the same distribution.
 
     :meth:`resolve` turns the settings and the checkpoint's facts into a resolved, frozen config: every "auto"
     and None decided (``dtype``, ``device``, ``max_model_len``, ``cpu_lowbit``, ``cpu_w4``), before anything is
@@ -204,6 +209,7 @@ class EngineConfig:
     threads: int | str | None = "auto"
     cpu_lowbit: bool | None = None
     cpu_w4: str | None = None
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __setattr__(self, name: str, value: object) -> None:
         if self.__dict__.get("_frozen"):
@@ -259,6 +265,7 @@ class EngineConfig:
         if self.cpu_w4 is not None and self.cpu_w4 not in CPU_W4_NAMES:
             raise ValueError(f"cpu_w4 must be one of {', '.join(CPU_W4_NAMES)} (the CPU's 4-bit product) or None "
                              f"(the LIGHTINFER_CPU_W4 switch, default c), got {self.cpu_w4!r}")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
         self.max_vram = parse_bytes(self.max_vram)
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:

@@ -44,12 +44,15 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times (``time.monotonic()`` seconds) of one request's life."""
+    """Wall-clock times (``time.monotonic()`` seconds) of one request's life, and with speculative decoding its
+    draft tokens verified and accepted (all its completions)."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -24,10 +24,10 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS: dict[str, tuple[list[str], set[str]]] = {
     # run-time kernels and their launchers: nothing of lightinfer outside kernels/
     "kernels": (["lightinfer.kernels"], set()),
-    # plain settings and data that every layer may read: engine settings, sampling settings, outputs,
+    # plain settings and data that every layer may read: engine settings (speculative_config too), sampling settings, outputs,
     # the input layer (prompts / messages -> checked requests), structured-output specs and matchers, and
     # the table of run-time weight layouts (formats.scheme: plain data that make_linear reads)
-    "foundation": (["lightinfer.config", "lightinfer.sampling_params", "lightinfer.outputs", "lightinfer.inputs",
+    "foundation": (["lightinfer.config", "lightinfer.speculative_config", "lightinfer.sampling_params", "lightinfer.outputs", "lightinfer.inputs",
                     "lightinfer.structured", "lightinfer.formats.scheme"], {"kernels"}),
     # torch modules that call the kernels (linear, attention, norm, rotary, sampler, ...)
     "layers": (["lightinfer.layers"], {"kernels", "foundation"}),

@@ -143,7 +143,7 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
         try:
             async for out in engine.generate(request_, request_id=request_id):
                 comp = out.outputs[0]
-                progress.update(len(comp.token_ids))
+                progress.update(len(comp.token_ids), out.metrics.num_draft_tokens, out.metrics.num_accepted_tokens)
                 finished, reason = out.finished, comp.finish_reason
                 if comp.text != text:
                     text = comp.text

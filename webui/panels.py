@@ -63,4 +63,15 @@ def engine_panel(engine: AsyncLLMEngine) -> str:
     s = engine.get_stats()
     return (f"running **{s.num_running}** · waiting **{s.num_waiting}** · batch **{s.last_batch_size}** "
             f"(max {s.max_batch_size}) · KV used **{100 * s.kv_cache_usage:.0f}%** "
-            f"({s.num_free_blocks}/{s.num_total_blocks} blocks free) · preemptions {s.num_preemptions}")
+            f"({s.num_free_blocks}/{s.num_total_blocks} blocks free) · preemptions {s.num_preemptions}"
+            + _spec_line(s.spec_decode))
+
+
+def _spec_line(spec: dict | None) -> str:
+    """The engine line's speculative decoding part: drafts accepted so far and the mean tokens a verify gave."""
+    if spec is None:
+        return ""
+    if not spec["num_draft_tokens"]:
+        return f" · speculative ({spec['method']}): no drafts yet"
+    return (f" · speculative ({spec['method']}): **{100 * spec['acceptance_rate']:.0f}%** of "
+            f"{spec['num_draft_tokens']} drafts accepted, {spec['mean_accepted_length']:.2f} tokens per verify")

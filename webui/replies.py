@@ -112,20 +112,24 @@ class ReplyProgress:
     start: float = field(default_factory=time.monotonic)
     first: float | None = None  # when the first token arrived
     num_tokens: int = 0
+    drafted: int = 0  # speculative decoding: draft tokens verified for this reply, and accepted
+    accepted: int = 0
     ended: bool = False  # the reply's generator has finished, normally or not
     stopped: bool = False  # it ended before the engine finished it (Stop, a closed tab)
 
-    def update(self, num_tokens: int) -> None:
+    def update(self, num_tokens: int, drafted: int = 0, accepted: int = 0) -> None:
         if self.first is None and num_tokens:
             self.first = time.monotonic()
-        self.num_tokens = num_tokens
+        self.num_tokens, self.drafted, self.accepted = num_tokens, drafted, accepted
 
     def stats(self) -> str:
-        """``"N tokens · R tokens/s · time to first token T s"`` (the rate over the tokens after the first)."""
+        """``"N tokens · R tokens/s · time to first token T s"`` (the rate over the tokens after the first), and
+        ``" · drafts accepted A/D"`` where speculative decoding verified drafts for it."""
         elapsed = time.monotonic() - (self.first or self.start)
         rate = (self.num_tokens - 1) / elapsed if self.first is not None and self.num_tokens > 1 and elapsed > 0 else 0.0
         ttft = f"{self.first - self.start:.2f} s" if self.first is not None else "–"
-        return f"{self.num_tokens} tokens · {rate:.1f} tokens/s · time to first token {ttft}"
+        drafts = f" · drafts accepted {self.accepted}/{self.drafted}" if self.drafted else ""
+        return f"{self.num_tokens} tokens · {rate:.1f} tokens/s · time to first token {ttft}{drafts}"
 
 
 class ReplyTracker:

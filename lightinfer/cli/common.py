@@ -75,6 +75,12 @@ def add_engine_args(p: argparse.ArgumentParser, kv_cache_dtype: str | None = "au
                    help="CPU engines: the product of 4-bit layers: c (activations int16 per block of 32), int8 "
                         "(activations int8 per block of 32: faster, a little less exact) or torch (torch's int4 "
                         "GEMM, bf16 activations) (default: $LIGHTINFER_CPU_W4, else c)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON|FILE",
+                   help="speculative decoding, as vLLM spells it: a JSON object or a JSON file, e.g. "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (prompt lookup: drafts copied from the "
+                        "prompt and output so far; keys num_speculative_tokens 1-16, prompt_lookup_max, "
+                        "prompt_lookup_min). Greedy output is unchanged; the engine drafts only while its measured "
+                        "step times say it is faster (default: off)")
 
 
 def _threads(value: str) -> int | str:
@@ -106,6 +112,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "long_prefill_token_threshold": getattr(args, "long_prefill_token_threshold", None),
         "cpu_lowbit": getattr(args, "cpu_lowbit", None),
         "cpu_w4": getattr(args, "cpu_w4", None),
+        "speculative_config": getattr(args, "speculative_config", None),
         "load_format": "dummy" if getattr(args, "dummy_weights", False) else "auto",
         "quantization": getattr(args, "quantization", None),
     }

@@ -160,7 +160,8 @@ class BlockManager:
         return k, hits  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ API
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, num_step_tokens: int | None = None) -> bool:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, num_step_tokens: int | None = None,
+                       num_lookahead_tokens: int = 0) -> bool:
         """Give ``seq`` KV slots for its next ``num_new_tokens`` tokens to compute; False when blocks run out.
 
         A sequence without blocks is being admitted (new, or preempted and to be recomputed): its
@@ -176,6 +177,8 @@ class BlockManager:
             seq: the sequence; its ``block_tables`` change in place.
             num_new_tokens: tokens to compute after those already computed (or cached).
             num_step_tokens: of which this step computes at most this many (admission: the step's budget).
+            num_lookahead_tokens: slots past the sequence's last token (its drafts, ``engine/spec/``), counted in
+                ``num_new_tokens``.
         Returns:
             True when every slot is there; False when the free blocks of a pool do not suffice, and then
             nothing changed: the caller preempts another sequence or leaves ``seq`` waiting.
@@ -191,7 +194,7 @@ class BlockManager:
             table, windowed = seq.block_tables[g], bool(self.windows[g])
             first = self._first_needed_block(g, computed)
             length = k if admitting else len(table)
-            target = min(seq.num_tokens, computed + (step if windowed else num_new_tokens))
+            target = min(seq.num_tokens + num_lookahead_tokens, computed + (step if windowed else num_new_tokens))
             num_new_blocks = max(0, self.blocks_needed(target) - length)
             drops = [i for i in range(min(first, len(table))) if table[i] != NULL_BLOCK] if windowed else []
             from_queue = sum(1 for b in hits[g] if b.ref_count == 0)  # hits that leave the free queue too

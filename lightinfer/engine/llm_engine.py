@@ -6,6 +6,7 @@ Not thread-safe: exactly one thread drives ``step()`` (the async engine's loop, 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -21,6 +22,8 @@ from lightinfer.engine.load_progress import LoadProgress
 from lightinfer.engine.model_runner import ModelRunner
 from lightinfer.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from lightinfer.engine.sequence import Sequence
+from lightinfer.engine.spec.speculator import Speculator
+from lightinfer.engine.spec.verify import DraftRows, Verified, verify_drafts
 from lightinfer.engine.step_inputs import select_rows
 from lightinfer.engine.structured_outputs import StructuredOutputManager
 from lightinfer.formats.scheme import describe_formats
@@ -77,6 +80,8 @@ class EngineStats:
     num_generation_tokens: int = 0
     # which CPU decode batch sizes are replayed, and why the others run eagerly (LLMEngine.cpu_decode_replay)
     cpu_decode_replay: dict = field(default_factory=dict)
+    # speculative decoding: its settings and counters (Speculator.info), None when off
+    spec_decode: dict | None = None
 
 
 @dataclass
@@ -168,6 +173,11 @@ class LLMEngine:
                                           config.enable_prefix_caching, self.model_runner.kv_windows)
         self.scheduler = Scheduler(config, self.block_manager, self.eos_token_ids)
         self.sampler = Sampler(config.seed)
+        # speculative decoding (engine/spec/): drafts proposed before each step, verified in it
+        runner = self.model_runner
+        self.speculator = (Speculator(config.speculative_config, int(config.max_model_len),
+                                      lambda rows: runner.platform.same_numerics_rows(runner, rows))
+                           if config.speculative_config is not None else None)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats(num_total_blocks=self.block_manager.num_blocks)
         logger.info("engine ready in %.1f s: %s on %s, %s (%s)", time.perf_counter() - t0, self.checkpoint.name,
@@ -247,6 +257,9 @@ class LLMEngine:
         Returns:
             Outputs of the requests that progressed (or finished, with ``final_only``).
         """
+        if self.speculator is not None:
+            alive = {q.seq_id for r in self.requests.values() for q in r.seqs if not q.is_finished}
+            self.speculator.propose(self.scheduler.running, self.structured.constrained_seq_ids(), alive)
         out = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if not out.scheduled:
@@ -256,15 +269,22 @@ class LLMEngine:
             m = self.requests[s.seq.request_id].metrics
             m.first_scheduled_time = m.first_scheduled_time or now
         sampled = [s for s in out.scheduled if s.completes_prompt]
+        # the logits have one row per sampled sequence, k + 1 for one that verifies k drafts
+        first_row = list(itertools.accumulate((1 + len(s.draft_ids) for s in sampled), initial=0))
+        plain = [(s, r) for s, r in zip(sampled, first_row) if not s.draft_ids]
+        drafting = [(s, r) for s, r in zip(sampled, first_row) if s.draft_ids]
         # constrained rows: the bitmask is filled now (overlapping the forward where it can), applied below
-        mask = self.structured.begin_step([s.seq for s in sampled]) if self.structured.num_active else None
-        logits = self.model_runner.run(out)
+        mask = self.structured.begin_step([s.seq for s, _ in plain]) if self.structured.num_active else None
+        all_logits = self.model_runner.run(out)
         self.scheduler.postprocess(out)
-        rows, targets = self._sampling_rows(sampled)
-        logits = select_rows(logits, [r for r, _, _ in targets])
+        rows, targets = self._sampling_rows([s for s, _ in plain])
+        logits = select_rows(all_logits, [plain[r][1] for r, _, _ in targets])
         if mask is not None:
             self.structured.apply_(logits, mask, [r for r, _, _ in targets])
         tokens, logprobs = self.sampler(logits, rows)
+        verified = self._verify(all_logits, drafting)
+        if self.speculator is not None and out.num_decodes == len(out.scheduled):
+            self.speculator.record_step(out.num_tokens, time.monotonic() - now)
         # Fork every new completion before any token is appended: children copy the parent's tokens.
         owners: list[Sequence] = []
         for _, seq, index in targets:
@@ -283,6 +303,8 @@ class LLMEngine:
             else:
                 self._append_token(req, seq, token, lp)
             touched[req.request_id] = req
+        for (s, _), v in zip(drafting, verified):
+            self._append_verified(s, v, touched)
         for s in out.scheduled:
             req = self.requests.get(s.seq.request_id)
             if req is not None and any(q.seq_id == s.seq.seq_id for q in req.seqs):
@@ -294,6 +316,47 @@ class LLMEngine:
             if r.finished:
                 del self.requests[r.request_id]
         return results
+
+    def _verify(self, logits: torch.Tensor, drafting: list[tuple[ScheduledSequence, int]]) -> list[Verified]:
+        """Accept or reject the drafts of the sequences that verify (``engine/spec/verify.py``): each one's
+        ``k + 1`` rows from its first row in ``logits``, each row with the penalties and bans of its position."""
+        if not drafting:
+            return []
+        seqs = []
+        for s, first in drafting:
+            seq = s.seq
+            req = self.requests[seq.request_id]
+            p = req.params
+            penalized = has_penalties(p)
+            outputs = seq.output_token_ids if penalized else []
+            rows = []
+            for i in range(len(s.draft_ids) + 1):
+                suppress: tuple[int, ...] = ()
+                if seq.num_output_tokens + i < p.min_tokens:
+                    suppress = tuple(sorted(self.eos_token_ids | set(p.stop_token_ids)))
+                rows.append(SamplingRow(p, req.prompt_token_ids, outputs + s.draft_ids[:i] if penalized else [],
+                                        req.generators[seq.index], suppress))
+            seqs.append(DraftRows(first, s.draft_ids, rows))
+        return verify_drafts(logits, seqs, self.sampler.generator_for(logits.device))
+
+    def _append_verified(self, s: ScheduledSequence, v: Verified, touched: dict[str, Request]) -> None:
+        """Append a verified run's tokens in order, as plain steps would have, until one ends the sequence (a
+        stop string, a stop token, ``max_tokens``); the accepted drafts' KV counts as computed."""
+        seq = s.seq
+        req = self.requests[seq.request_id]
+        touched[req.request_id] = req
+        self.speculator.record_verify(seq, len(s.draft_ids), v.num_accepted)
+        req.metrics.num_draft_tokens += len(s.draft_ids)
+        req.metrics.num_accepted_tokens += v.num_accepted
+        self.scheduler.commit_drafts(seq, v.num_accepted)
+        for token, lp in zip(v.tokens, v.logprobs):
+            if token == INVALID_TOKEN:
+                self._fail_sequence(req, seq)
+            else:
+                self._append_token(req, seq, token, lp)
+            if seq.is_finished:
+                return
+        self.scheduler.register_blocks(seq)
 
     def _sampling_rows(
         self, sampled: list[ScheduledSequence]
@@ -399,6 +462,7 @@ class LLMEngine:
         s.prefix_cache_queries = self.block_manager.num_queries
         s.prefix_cache_hits = self.block_manager.num_hits
         s.cpu_decode_replay = self.cpu_decode_replay()
+        s.spec_decode = None if self.speculator is None else self.speculator.info()
         return EngineStats(**vars(s))
 
     def model_info(self) -> dict:
@@ -441,6 +505,8 @@ class LLMEngine:
             # the settings that change a CPU engine's results or memory, as resolved (field, else environment)
             "cpu_lowbit": self.config.cpu_lowbit,
             "cpu_w4": self.config.cpu_w4,
+            # speculative decoding: settings and counters so far (engine/spec/), None when off
+            "speculative_decoding": None if self.speculator is None else self.speculator.info(),
         }
 
     def cpu_decode_replay(self) -> dict:

@@ -138,6 +138,12 @@ class Platform:
         """The decode steps' replayed form for this device, ready to run, or None (eager steps)."""
         return None
 
+    def same_numerics_rows(self, runner: ModelRunner, rows: int) -> int:
+        """The most rows a decode step may carry and still multiply each row as a step of ``rows`` rows does,
+        bit for bit (speculative decoding adds its drafts as rows only up to it, so that greedy output stays
+        the same: ``engine/spec/``). Here: no limit known (the device's kernels are taken as row-independent)."""
+        return 1 << 30
+
 
 class CudaPlatform(Platform):
     """A CUDA GPU: the GPU memory plan decides the KV pool, decode steps replay CUDA graphs."""
@@ -276,6 +282,12 @@ class CpuPlatform(Platform):
     def _unavailable(runner: ModelRunner) -> str | None:
         return replay_unavailable(runner.device, runner.config.enforce_eager, len(runner.kv_groups), runner.dtype,
                                   backend_name(torch.empty(0)))
+
+    def same_numerics_rows(self, runner: ModelRunner, rows: int) -> int:
+        """The 4-bit products compute each row alone in C below ``cpu_native.dense_rows`` rows and by a dense GEMM
+        (or AMX tiles) from there: a step below it stays below it."""
+        limit = cpu_native.dense_rows(runner.dtype) - 1
+        return limit if rows <= limit else 1 << 30
 
     def graph_runner(self, runner: ModelRunner, progress: LoadProgress) -> CpuDecodeGraphRunner | None:
         """The recorded decode steps (``cpu_graph.py``): batches below the 4-bit products' dense path unless that

@@ -5,7 +5,8 @@ prefill, chunked prefill and decode are one mechanism: a decode is a sequence wi
 uncomputed token, a prefill one with many, cut to the step's token budget.
 
     step budget = max_num_batched_tokens
-    1. running sequences, oldest first: decodes (1 token) and unfinished prefills (a chunk, at most
+    1. running sequences, oldest first: decodes (1 token, plus its drafts when speculating: ``engine/spec/``)
+       and unfinished prefills (a chunk, at most
        ``long_prefill_token_threshold`` tokens of one request: on a CPU a long prompt would otherwise hold
        every request behind it for its whole prefill);
        when a sequence needs a block and none is free, the newest running sequence is
@@ -26,16 +27,23 @@ from lightinfer.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledSequence:
-    """A sequence in this step: compute tokens ``[start, start + num_new_tokens)``."""
+    """A sequence in this step: compute tokens ``[start, start + num_new_tokens)``, of which the last
+    ``len(draft_ids)`` are drafts to verify (past ``seq.token_ids``; ``engine/spec/``)."""
 
     seq: Sequence
     start: int
     num_new_tokens: int
+    draft_ids: list[int] = field(default_factory=list)
 
     @property
     def completes_prompt(self) -> bool:
         """True when after this step every token is computed, so a next token is sampled."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+        return self.start + self.num_new_tokens - len(self.draft_ids) == self.seq.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """One real token to compute (and maybe drafts): the step runs it as decode rows, one per token."""
+        return self.num_new_tokens - len(self.draft_ids) == 1
 
 
 @dataclass
@@ -48,7 +56,12 @@ class SchedulerOutput:
 
     @property
     def num_decodes(self) -> int:
-        return sum(1 for s in self.scheduled if s.num_new_tokens == 1)
+        """Scheduled sequences that decode (with or without drafts)."""
+        return sum(1 for s in self.scheduled if s.is_decode)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(s.draft_ids) for s in self.scheduled)
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +99,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -100,7 +114,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = self._chunk(seq, budget)
-            while not bm.allocate_slots(seq, num_new):
+            drafts: list[int] = []
+            if seq.spec_token_ids and num_new == 1 and seq.num_computed_tokens == seq.num_tokens - 1:
+                drafts = seq.spec_token_ids[:budget - 1]
+                num_new += len(drafts)
+            while not bm.allocate_slots(seq, num_new, num_lookahead_tokens=len(drafts)):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.num_preempted += 1
@@ -108,7 +126,7 @@ class Scheduler:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 break
-            out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
+            out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new, drafts))
             budget -= num_new
             i += 1
         while not out.num_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -122,7 +140,7 @@ class Scheduler:
             num_new = self._chunk(seq, budget)
             out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
-        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # decodes first, stable
+        out.scheduled.sort(key=lambda s: not s.is_decode)  # decodes first, stable
         return out
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
@@ -149,10 +167,22 @@ class Scheduler:
         return child
 
     def postprocess(self, out: SchedulerOutput) -> None:
-        """Advance every scheduled sequence's computed-token count and hash its full blocks."""
+        """Advance every scheduled sequence's computed-token count and hash its full blocks. Drafts do not count
+        until accepted (:meth:`commit_drafts`)."""
         for s in out.scheduled:
-            s.seq.num_computed_tokens = s.start + s.num_new_tokens
+            s.seq.num_computed_tokens = s.start + s.num_new_tokens - len(s.draft_ids)
+            s.seq.spec_token_ids = []
             self.block_manager.register_computed_blocks(s.seq)
+
+    def commit_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """``num_accepted`` of ``seq``'s verified drafts were accepted: their KV counts as computed (call before
+        appending them; the rejected ones' slots are overwritten by later tokens)."""
+        seq.num_computed_tokens += num_accepted
+
+    def register_blocks(self, seq: Sequence) -> None:
+        """Hash ``seq``'s full computed blocks (after accepted drafts were appended)."""
+        if not seq.is_finished:
+            self.block_manager.register_computed_blocks(seq)
 
     def check_stop(self, seq: Sequence) -> bool:
         """After a token was appended: EOS, stop token, max_tokens, max_model_len. Finishes ``seq``."""

@@ -33,6 +33,8 @@ class Sequence:
             sliding-window group has -1 where it freed a block its window has passed.
         block_table: ``block_tables[0]`` (the only one of a model without sliding windows).
         block_hashes: chained hashes of its full blocks, filled by the BlockManager as needed.
+        spec_token_ids: draft tokens to verify in the next step (speculative decoding, ``engine/spec/``);
+            not part of ``token_ids`` until accepted.
     """
 
     def __init__(
@@ -52,6 +54,7 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.block_hashes: list[bytes] = []
         self.admitted = False  # admitted once: num_cached_tokens is fixed from then on
+        self.spec_token_ids: list[int] = []
 
     @property
     def block_table(self) -> list[int]:

@@ -9,6 +9,12 @@ to ``out.scheduled`` exist in one place only::
                                             groups neighbours), prefills as scheduled
     logits_idx      rows of the sampled tokens, in ``out.scheduled`` order
 
+A decode with ``k`` drafts (speculative decoding, ``engine/spec/``) is ``k + 1`` decode rows: its last token and
+the drafts, at consecutive positions, each row with the sequence's block table and its own context length
+(``start + 1 .. start + k + 1``). Every row's K/V is stored before any row attends, so each draft sees the ones
+before it: causal attention inside the verified run, on every decode path (Triton, C, recorded CPU steps, CUDA
+graphs) without a kernel of its own. All its rows are in ``logits_idx``.
+
 A model with sliding-window layers has more than one KV-cache group (``block_manager.py``): each group's
 slots and block tables come from its own ``seq.block_tables[g]``; group 0's are the fields below, the
 others are in ``other_groups``.
@@ -42,7 +48,7 @@ class StepInputs:
         context_lens: ``[num_seqs]`` tokens in the cache per sequence after this step, row order.
         block_tables: ``num_seqs`` block-id lists, row order (ragged).
         cu_seqlens_q: ``[num_prefills + 1]`` offsets of the prefill chunks, from the first prefill token.
-        num_decodes: sequences (= tokens) at the front that are decodes (one new token).
+        num_decodes: rows (= tokens) at the front that are decodes: one per decoding sequence, plus its drafts.
         logits_idx: token rows whose logits are returned, in ``out.scheduled`` order.
         other_groups: KV-cache groups 1.. (module docstring); the fields above are group 0's.
     """
@@ -76,30 +82,34 @@ def build_step_inputs(out: SchedulerOutput, all_logits: bool, block_size: int, n
     Returns:
         The step's :class:`StepInputs`.
     """
-    step = StepInputs(num_decodes=out.num_decodes, other_groups=[GroupStepInputs() for _ in range(num_groups - 1)])
-    nd = step.num_decodes
+    nd = out.num_decodes
+    step = StepInputs(num_decodes=nd + out.num_draft_tokens,
+                      other_groups=[GroupStepInputs() for _ in range(num_groups - 1)])
     decode_order = sorted(range(nd), key=lambda i: out.scheduled[i].start)
     token_range: dict[int, tuple[int, int]] = {}
     for i in decode_order + list(range(nd, len(out.scheduled))):
         s = out.scheduled[i]
         seq, a, b = s.seq, s.start, s.start + s.num_new_tokens
         token_range[i] = (len(step.input_ids), len(step.input_ids) + s.num_new_tokens)
-        step.input_ids += seq.token_ids[a:b]
+        step.input_ids += seq.token_ids[a:b - len(s.draft_ids)] + s.draft_ids
         step.positions += range(a, b)
         table = seq.block_table
+        rows = s.num_new_tokens if i < nd else 1  # a decode's drafts are rows of their own
         step.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(a, b)]
-        step.context_lens.append(b)
-        step.block_tables.append(table)
+        step.context_lens += range(b - rows + 1, b + 1)
+        step.block_tables += [table] * rows
         for g, group in enumerate(step.other_groups, start=1):
             gtable = seq.block_tables[g]
             group.slot_mapping += [gtable[p // block_size] * block_size + p % block_size for p in range(a, b)]
-            group.block_tables.append(gtable)
+            group.block_tables += [gtable] * rows
         if i >= nd:
             step.cu_seqlens_q.append(step.cu_seqlens_q[-1] + s.num_new_tokens)
     for i, s in enumerate(out.scheduled):
         first, end = token_range[i]
         if all_logits:
             step.logits_idx += range(first, end)
+        elif s.draft_ids:
+            step.logits_idx += range(end - len(s.draft_ids) - 1, end)
         elif s.completes_prompt:
             step.logits_idx.append(end - 1)
     return step

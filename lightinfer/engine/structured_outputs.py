@@ -119,6 +119,10 @@ class StructuredOutputManager:
         """Sequences with a matcher."""
         return len(self.matchers)
 
+    def constrained_seq_ids(self) -> set[int]:
+        """The ids of the sequences with a matcher (they do not draft: ``engine/spec/``)."""
+        return set(self.matchers)
+
     def add(self, seq: Sequence, spec: StructuredOutputs) -> None:
         """A matcher at the grammar's start for ``seq`` (a cache hit when the front end compiled ``spec``)."""
         self.matchers[seq.seq_id] = self.backend.matcher(spec)

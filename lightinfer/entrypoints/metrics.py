@@ -55,8 +55,22 @@ class _EngineStatsCollector(Collector):
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             "prefix_cache_hits": ("Prompt tokens served from the prefix cache.", s.prefix_cache_hits),
         }
+        spec = s.spec_decode
+        if spec is not None:  # speculative decoding: vLLM's spec_decode counters, under our prefix
+            counters.update({
+                "spec_decode_num_drafts": ("Verify runs: one sequence's drafts checked in one step.", spec["num_drafts"]),
+                "spec_decode_num_draft_tokens": ("Draft tokens verified.", spec["num_draft_tokens"]),
+                "spec_decode_num_accepted_tokens": ("Draft tokens accepted.", spec["num_accepted_tokens"]),
+            })
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=float(value))
+        if spec is not None:
+            per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by their position in the draft (0 = first).",
+                                          labels=["position"])
+            for i, n in enumerate(spec["accepted_per_pos"]):
+                per_pos.add_metric([str(i)], float(n))
+            yield per_pos
 
 
 class ServingMetrics:

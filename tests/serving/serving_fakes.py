@@ -75,6 +75,7 @@ class EngineStats:
     max_batch_size: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    spec_decode: dict | None = None  # speculative decoding's counters (the fake does not speculate)
 
 
 @dataclass
