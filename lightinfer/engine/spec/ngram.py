@@ -58,6 +58,8 @@ class NgramProposer:
 
     def propose(self, seq_id: int, tokens: list[int], k: int, num_prompt_tokens: int = 0) -> list[int]:
         """Up to ``k`` drafts for sequence ``seq_id`` whose tokens are ``tokens`` (prompt and output alike)."""
+        if k <= 0:  # nothing to draft, and a sequence's index serves only itself
+            return []
         index = self._indexes.get(seq_id)
         if index is None:
             index = self._indexes[seq_id] = NgramIndex(self.min_n, self.max_n)

@@ -72,15 +72,17 @@ class Speculator:
         candidates: list[tuple[Sequence, list[int]]] = []
         for seq in running:
             seq.spec_token_ids = []
-            if seq.num_computed_tokens != seq.num_tokens - 1 or seq.seq_id in constrained:
+            if seq.num_computed_tokens != seq.num_tokens - 1:
                 continue
             p = seq.sampling_params
-            room = min(self.config.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
-                       self.max_model_len - seq.num_tokens - 1)
-            if room > 0:
-                drafts = self.proposer.propose(seq.seq_id, seq.token_ids, room, seq.num_prompt_tokens)
-                if drafts:
-                    candidates.append((seq, drafts))
+            room = 0 if seq.seq_id in constrained else min(
+                self.config.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
+                self.max_model_len - seq.num_tokens - 1)
+            # with no room the proposer still sees the tokens: a grammar request's output (a tool call) is what a
+            # suffix proposer offers the next requests
+            drafts = self.proposer.propose(seq.seq_id, seq.token_ids, max(room, 0), seq.num_prompt_tokens)
+            if drafts:
+                candidates.append((seq, drafts))
         k = self.policy.choose(len(running), [(s.seq_id, len(d)) for s, d in candidates], self.max_rows(len(running)))
         for seq, drafts in candidates:
             seq.spec_token_ids = drafts[:k]

@@ -197,3 +197,27 @@ def test_suffix_drafts_follow_a_likely_continuation_and_share_finished_outputs()
     p.keep_only({1})  # 6 finishes: cached are 5 and 6; 2 and 3 were evicted
     assert p.propose(7, [0, 50, 51], 2) == []
     assert p.propose(8, [0, 80], 2) == [81, 82]
+
+
+def test_a_sequence_that_cannot_draft_still_feeds_the_suffix_counts() -> None:
+    """A grammar request (no room to draft) is seen by the suffix proposer: its tool call, once finished, is
+    drafted for the next request; prompt lookup keeps no index for it."""
+    from lightinfer.engine.sequence import Sequence
+    from lightinfer.engine.spec.speculator import Speculator
+
+    from tests.engine.spec.policies import AlwaysDraft
+
+    spec = Speculator(SpeculativeConfig(method="suffix", num_speculative_tokens=4), 1024)
+    spec.policy = AlwaysDraft(4)
+    first = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=50))
+    first.token_ids += [40, 41, 42, 43, 44]
+    first.num_computed_tokens = first.num_tokens - 1
+    spec.propose([first], constrained={first.seq_id}, alive={first.seq_id})
+    assert first.spec_token_ids == []
+    second = Sequence("b", [7, 8, 40], SamplingParams(max_tokens=50))
+    second.num_computed_tokens = second.num_tokens - 1
+    spec.propose([second], constrained=set(), alive={second.seq_id})  # `first` has finished
+    assert second.spec_token_ids == [41, 42, 43, 44]
+    lookup = Speculator(SpeculativeConfig(method="ngram"), 1024)
+    lookup.propose([first], constrained={first.seq_id}, alive={first.seq_id})
+    assert len(lookup.proposer) == 0
