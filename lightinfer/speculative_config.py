@@ -86,17 +86,13 @@ class SpeculativeConfig:
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
-            text = value.strip()
-            if not text.startswith("{") and Path(text).is_file():
-                text = Path(text).read_text()
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"speculative_config is neither a JSON object nor a JSON file's path: {err}; "
-                                 "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'") from None
+            value = _read_json(value)
         if not isinstance(value, dict):
             # ValueError, not TypeError: a user's setting, reported as bad input by the CLI and the API
             raise ValueError(f"speculative_config must be a JSON object (a dict), got {type(value).__name__}")  # noqa: TRY004
+        method = value.get("method", "ngram")
+        if method not in METHODS:  # before the keys: a draft model's config names keys of its own
+            cls(method=method)
         known = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(value) - set(known))
         if unknown:
@@ -107,3 +103,27 @@ class SpeculativeConfig:
     def to_dict(self) -> dict[str, Any]:
         """The settings as a plain dict (``model_info()``, ``/stats``)."""
         return dataclasses.asdict(self)
+
+
+EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4}'
+
+
+def _read_json(text: str) -> object:
+    """The JSON in ``text``: a JSON value when it starts as one, else the contents of the file it names.
+
+    Raises:
+        ValueError: invalid JSON (with the file's name where it came from one), or no such file.
+    """
+    text = text.strip()
+    if text.startswith(("{", "[", '"')) or not text:
+        source, body = "speculative_config", text
+    else:
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise ValueError(f"speculative_config: no such file: {text} (give a JSON object, e.g. {EXAMPLE}, or "
+                             f"the path of a file holding one)")
+        source, body = f"speculative_config file {text}", path.read_text()
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{source}: not valid JSON ({err}); e.g. {EXAMPLE}") from None

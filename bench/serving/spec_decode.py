@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--users", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--methods", nargs="+", default=["ngram", "suffix"], choices=["ngram", "suffix"])
+    ap.add_argument("--kinds", nargs="+", default=["copy-heavy", "open chat"], choices=["copy-heavy", "open chat"])
     ap.add_argument("--name", default="spec_decode")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
@@ -133,6 +134,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "speculative_config": {m: specs[m] for m in args.methods},
                               "rounds": args.rounds, "max_tokens": args.max_tokens, "greedy": True, "runs": {}}
     for kind, prompts in (("copy-heavy", COPY_HEAVY), ("open chat", OPEN_CHAT)):
+        if kind not in args.kinds:
+            continue
         for users in args.users:
             for name, llm in engines.items():  # warm: records the CPU steps of these shapes
                 _run(llm, prompts[:1], 1, 16)

@@ -77,10 +77,13 @@ def add_engine_args(p: argparse.ArgumentParser, kv_cache_dtype: str | None = "au
                         "GEMM, bf16 activations) (default: $LIGHTINFER_CPU_W4, else c)")
     p.add_argument("--speculative-config", default=None, metavar="JSON|FILE",
                    help="speculative decoding, as vLLM spells it: a JSON object or a JSON file, e.g. "
-                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (prompt lookup: drafts copied from the "
-                        "prompt and output so far; keys num_speculative_tokens 1-16, prompt_lookup_max, "
-                        "prompt_lookup_min). Greedy output is unchanged; the engine drafts only while its measured "
-                        "step times say it is faster (default: off)")
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'. Methods: ngram (prompt lookup: "
+                        "drafts copied from the prompt and output so far; keys prompt_lookup_min, prompt_lookup_max) "
+                        "and suffix (the likeliest continuation over this request and recent requests' outputs; keys "
+                        "suffix_decoding_max_tree_depth, suffix_decoding_max_cached_requests, "
+                        "suffix_decoding_min_token_prob); num_speculative_tokens 1-16 for both. Greedy output is "
+                        "unchanged; the engine drafts only while its measured step times say it is faster "
+                        "(default: off)")
 
 
 def _threads(value: str) -> int | str:

@@ -178,6 +178,10 @@ class LLMEngine:
         self.speculator = (Speculator(config.speculative_config, int(config.max_model_len),
                                       lambda rows: runner.platform.same_numerics_rows(runner, rows))
                            if config.speculative_config is not None else None)
+        if self.speculator is not None:
+            sc = config.speculative_config
+            logger.info("speculative decoding: %s drafts, up to %d per sequence and step", sc.method,
+                        sc.num_speculative_tokens)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats(num_total_blocks=self.block_manager.num_blocks)
         logger.info("engine ready in %.1f s: %s on %s, %s (%s)", time.perf_counter() - t0, self.checkpoint.name,

@@ -138,8 +138,15 @@ def unknown_route_error(app: FastAPI, request: Request, exc: StarletteHTTPExcept
         return OpenAIError(405, f"Invalid method for URL ({request.method} {path}): use {allowed}")
     prefix = request.scope.get("root_path", "") if prefix is None else prefix
     listed = ", ".join(f"{m} {p}" for m, p in api_routes(app, prefix))
-    return OpenAIError(404, f"Invalid URL ({request.method} {path}). The API's routes: {listed}; their schema is "
-                            "/openapi.json, browsable at /docs")
+    known = next((api for end, api in OTHER_APIS.items() if path.rstrip("/").endswith(end)), None)
+    hint = f" {known} is not served here: use /v1/chat/completions." if known else ""
+    return OpenAIError(404, f"Invalid URL ({request.method} {path}).{hint} The API's routes: {listed}; their "
+                            "schema is /openapi.json, browsable at /docs")
+
+
+# paths of other APIs that clients of this server may try, named in the 404 (an agent's client pointed here)
+OTHER_APIS = {"/messages": "The Anthropic Messages API", "/responses": "The OpenAI Responses API",
+              "/embeddings": "The embeddings API"}
 
 
 def create_openai_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,

@@ -71,3 +71,13 @@ def test_a_v1_route_with_the_wrong_method_says_which_one(fake_server: LiveServer
                   timeout=10)
     assert r.status_code == 405 and r.headers["allow"] == "POST"
     assert _error(r)["message"] == "Invalid method for URL (GET /v1/chat/completions): use POST"
+
+
+@pytest.mark.parametrize("path, api", [("/v1/messages", "Anthropic Messages API"),
+                                       ("/v1/responses", "OpenAI Responses API")])
+def test_another_apis_route_is_named_in_the_404(fake_server: LiveServer, path: str, api: str) -> None:
+    """An agent's client pointed here (Claude Code's /v1/messages, Codex's /v1/responses) learns which API it
+    spoke and that this server does not serve it."""
+    r = httpx.post(f"{fake_server.url}{path}", json={}, headers={"Authorization": "Bearer test-key"}, timeout=10)
+    assert r.status_code == 404
+    assert f"The {api} is not served here: use /v1/chat/completions." in _error(r)["message"]

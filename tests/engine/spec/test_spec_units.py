@@ -91,13 +91,24 @@ def test_policy_acceptance_follows_what_was_accepted() -> None:
     assert p.overall_acceptance == pytest.approx(80 / 100)
 
 
+def test_config_errors_say_what_is_wrong_with_a_file(tmp_path) -> None:
+    with pytest.raises(ValueError, match="no such file: .*missing.json"):
+        SpeculativeConfig.parse(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{method: ngram}")
+    with pytest.raises(ValueError, match=f"speculative_config file {bad}: not valid JSON"):
+        SpeculativeConfig.parse(str(bad))
+    with pytest.raises(ValueError, match="'draft_model' is not supported"):  # not "unknown key 'model'"
+        SpeculativeConfig.parse({"method": "draft_model", "model": "x", "num_speculative_tokens": 2})
+
+
 def test_config_parses_what_users_give(tmp_path) -> None:
     path = tmp_path / "spec.json"
     path.write_text('{"method": "ngram", "num_speculative_tokens": 6}')
     assert SpeculativeConfig.parse(str(path)).num_speculative_tokens == 6
     assert SpeculativeConfig.parse({"prompt_lookup_max": 3}).prompt_lookup_max == 3
     for bad, field in (({"method": "eagle3"}, "method"), ({"suffix_decoding_min_token_prob": 2}, "min_token_prob"), ({"k": 2}, "unknown key"),
-                       ({"num_speculative_tokens": 17}, "num_speculative_tokens"), ("[1]", "JSON object"),
+                       ({"num_speculative_tokens": 17}, "num_speculative_tokens"), ("[1]", "JSON object"), ("", "not valid JSON"),
                        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min")):
         with pytest.raises(ValueError, match=field):
             SpeculativeConfig.parse(bad)
@@ -133,7 +144,7 @@ def test_banned_ids_and_logprobs_follow_the_rows() -> None:
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3),
                                     SamplingParams(temperature=1.0, top_p=0.8)])
 def test_sampled_tokens_have_the_targets_distribution(params: SamplingParams) -> None:
-    """20,000 sequences draft token 0 then 1; the first token kept (accepted draft or resampled correction) and
+    """12,000 sequences draft token 0 then 1; the first token kept (accepted draft or resampled correction) and
     the second must be distributed as the target's processed rows. Dropping the residual (resampling from p
     itself after a rejection) moves the first token's share of id 0 from p(0) to p(0)^2 + (1 - p(0)) p(0)."""
     torch.manual_seed(0)
@@ -141,17 +152,17 @@ def test_sampled_tokens_have_the_targets_distribution(params: SamplingParams) ->
     from lightinfer.layers.sampler import filter_logits
 
     target = [torch.softmax(filter_logits(logits[r], params), 0) for r in range(2)]
-    n = 20_000
+    n = 12_000
     seqs = [DraftRows(0, [0, 1], [_row(params)] * 3) for _ in range(n)]
     out = verify_drafts(logits, seqs, torch.Generator().manual_seed(1))
     first = torch.bincount(torch.tensor([v.tokens[0] for v in out]), minlength=5).double() / n
-    assert torch.allclose(first, target[0].double(), atol=0.012), (first, target[0])
+    assert torch.allclose(first, target[0].double(), atol=0.015), (first, target[0])
     # the second token, among runs whose first was the draft 0: the target's second row
     second = torch.tensor([v.tokens[1] for v in out if v.tokens[0] == 0])
     share = torch.bincount(second, minlength=5).double() / len(second)
-    assert torch.allclose(share, target[1].double(), atol=0.02), (share, target[1])
+    assert torch.allclose(share, target[1].double(), atol=0.025), (share, target[1])
     accepted = sum(v.num_accepted >= 1 for v in out) / n
-    assert accepted == pytest.approx(float(target[0][0]), abs=0.012)
+    assert accepted == pytest.approx(float(target[0][0]), abs=0.015)
 
 
 def test_a_seeded_row_draws_from_its_own_generator() -> None:
