@@ -215,7 +215,6 @@ def test_a_sequence_that_cannot_draft_still_feeds_the_suffix_counts() -> None:
     drafted for the next request; prompt lookup keeps no index for it."""
     from lightinfer.engine.sequence import Sequence
     from lightinfer.engine.spec.speculator import Speculator
-
     from tests.engine.spec.policies import AlwaysDraft
 
     spec = Speculator(SpeculativeConfig(method="suffix", num_speculative_tokens=4), 1024)
