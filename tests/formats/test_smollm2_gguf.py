@@ -4,6 +4,7 @@ the weights take a fifth of the old fp32 load."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lightinfer import SamplingParams
@@ -28,6 +29,7 @@ CHATS = [
 FP32_LOAD_BYTES = 538_060_032  # LLM(SMOLLM2).model_info()["weight_bytes"] before GGUF loaded 4-bit (fp32 copy)
 
 
+@pytest.mark.audit  # slow against transformers' model of the GGUF: `make test-audit` (CI runs both)
 def test_weights_equal_transformers_reading(smollm2_hf) -> None:  # type: ignore[no-untyped-def]
     ck = Checkpoint(SMOLLM2)
     model = get_model_class(ck.hf_config)(ck.hf_config, ck.quant_config, torch.float32)
@@ -49,6 +51,7 @@ def test_weights_equal_transformers_reading(smollm2_hf) -> None:  # type: ignore
     assert torch.equal(dequantize_rows(emb.table, rows), hf["model.embed_tokens.weight"][rows])  # Q8_0: exact
 
 
+@pytest.mark.audit  # slow against transformers' model of the GGUF: `make test-audit` (CI runs both)
 def test_greedy_chat_matches_transformers_on_the_same_gguf(smollm2_llm, smollm2_hf) -> None:  # type: ignore[no-untyped-def]
     im_end = smollm2_llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
     params = SamplingParams(temperature=0, max_tokens=32)
@@ -127,6 +130,7 @@ def test_lowbit_cpu_path_answers_the_readme_question_with_fp32_logits(smollm2_lo
     assert "Paris" in out.outputs[0].text
 
 
+@pytest.mark.audit  # two engines' perplexity over held-out text: `make test-audit` (CI runs both)
 def test_lowbit_cpu_path_perplexity_is_the_exact_paths(smollm2_lowbit_llm, smollm2_llm) -> None:  # type: ignore[no-untyped-def]
     """Held-out perplexity of the default CPU path (4-/8-bit weights, bf16 activations between layers) against
     the exact fp32 path on the same weights, 2,048 tokens in 1,024-token windows (a prefill: the 4-bit layers take
