@@ -126,8 +126,7 @@ class DraftPolicy:
         rates = [(self.acceptance(sid), n) for sid, n in avail]
         best_k, best = 0, -math.inf
         most = min(self.max_drafts, max(n for _, n in avail))
-        while most and num_seqs + sum(min(most, n) for _, n in rates) > max_rows:
-            most -= 1
+        most = longest_within(num_seqs, [n for _, n in avail], most, max_rows)
         for k in range(most + 1):
             rows = num_seqs + sum(min(k, n) for _, n in rates)
             tokens = num_seqs + sum(sum(a ** j for j in range(1, min(k, n) + 1)) for a, n in rates)
@@ -138,3 +137,11 @@ class DraftPolicy:
         if best_k < most and self._decisions % EXPLORE_EVERY == 0:
             return best_k + 1  # the next longer step measured again, at the cost of one step of a few more rows
         return best_k
+
+
+def longest_within(num_seqs: int, avail: list[int], k: int, max_rows: int) -> int:
+    """The longest draft length up to ``k`` whose step (``num_seqs`` rows plus ``min(k, n)`` for each sequence's
+    ``n`` available drafts) stays within ``max_rows`` rows (0 when none does)."""
+    while k and num_seqs + sum(min(k, n) for n in avail) > max_rows:
+        k -= 1
+    return k

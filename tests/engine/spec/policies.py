@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightinfer.engine.spec.policy import DraftPolicy
+from lightinfer.engine.spec.policy import DraftPolicy, longest_within
 
 
 class AlwaysDraft(DraftPolicy):
@@ -10,7 +10,4 @@ class AlwaysDraft(DraftPolicy):
     tested on their own in ``test_spec_units.py``)."""
 
     def choose(self, num_seqs: int, avail: list[tuple[int, int]], max_rows: int = 1 << 30) -> int:
-        k = self.max_drafts
-        while k and num_seqs + sum(min(k, n) for _, n in avail) > max_rows:
-            k -= 1
-        return k
+        return longest_within(num_seqs, [n for _, n in avail], self.max_drafts, max_rows)
