@@ -25,10 +25,10 @@ from lightinfer.engine.async_engine import AsyncLLMEngine
 from lightinfer.entrypoints import openai_responses as R
 from lightinfer.entrypoints import protocol as P
 from lightinfer.entrypoints.openai_errors import OpenAIError, error_response, validation_error_response
-from lightinfer.entrypoints.openai_serving import OpenAIServing
+from lightinfer.entrypoints.served_models import ServedModels, check_model_name, unknown_model_error
 
 logger = logging.getLogger(__name__)
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def run_until_disconnect(request: Request, work: Any, request_ids: list[str],
@@ -70,53 +70,56 @@ def has_api_key(request: Request, api_key: str | None) -> bool:
                                   f"Bearer {api_key}".encode("utf-8", "surrogatepass"))
 
 
-def _register_routes(app: FastAPI, serving: OpenAIServing) -> None:
-    engine = serving.engine
-
-    @app.get("/models", response_model=P.ModelList)
+def _register_routes(app: FastAPI, models: ServedModels) -> None:
+    @app.get("/models", response_model=P.ModelList, response_model_exclude_none=True)
     async def list_models() -> P.ModelList:
-        """The served model (one), with its context length (``max_model_len``)."""
-        return P.ModelList(data=[P.ModelCard(id=serving.model_name, max_model_len=serving.max_model_len)])
+        """Every model this server answers for, with its context length (``max_model_len``; with several models,
+        also whether each is loaded, its format and size)."""
+        return P.ModelList(data=models.cards())
 
-    @app.get("/models/{model_id:path}", response_model=P.ModelCard)
+    @app.get("/models/{model_id:path}", response_model=P.ModelCard, response_model_exclude_none=True)
     async def get_model(model_id: str) -> P.ModelCard:
-        """The served model when ``model_id`` names it, else 404 ``model_not_found``."""
-        serving.check_model(model_id)
-        return P.ModelCard(id=serving.model_name, max_model_len=serving.max_model_len)
+        """The model ``model_id`` names, else 404 ``model_not_found``."""
+        check_model_name(model_id)
+        card = next((c for c in models.cards() if c.id == model_id), None)
+        if card is None:
+            raise unknown_model_error(model_id, models.names())
+        return card
 
     @app.post("/chat/completions", response_model=None)
     async def chat_completions(req: P.ChatCompletionRequest, raw: Request) -> Response:
         """OpenAI's Chat Completions, through the model's chat template: ``stream`` (server-sent events),
         ``n``, ``seed``, ``stop``, logprobs, ``response_format`` (JSON schemas), ``tools``, and vLLM's
         sampling extras (``top_k``, ``min_p``, ``repetition_penalty``...)."""
-        serving.check_model(req.model)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        request, calling = await serving.prepare_chat(req, top)
-        subs = await serving.submit([request])
+        async with models.use(req.model) as serving:
+            request, calling = await serving.prepare_chat(req, top)
+            subs = await serving.submit([request])
         logger.info("chat request %s: %d prompt tokens, n=%d, stream=%s", subs[0][0],
                     len(request.prompt_token_ids), req.n, req.stream)
         logger.debug("chat request %s messages: %r", subs[0][0], [(m.role, m.text()) for m in req.messages])
         if req.stream:
             return StreamingResponse(R.chat_stream(serving, req, subs, top, calling), media_type="text/event-stream",
-                                     headers=_SSE_HEADERS)
-        return await run_until_disconnect(raw, R.chat_full(serving, req, subs, top, calling), [r for r, _ in subs], engine)
+                                     headers=SSE_HEADERS)
+        return await run_until_disconnect(raw, R.chat_full(serving, req, subs, top, calling), [r for r, _ in subs],
+                                          serving.engine)
 
     @app.post("/completions", response_model=None)
     async def completions(req: P.CompletionRequest, raw: Request) -> Response:
         """OpenAI's legacy Completions: raw prompts (text, token ids, or lists of either), ``echo``,
         ``stream``, ``n``, logprobs, and the same sampling fields as chat."""
-        serving.check_model(req.model)
-        requests, echo = await serving.prepare_completion(req)
-        subs = await serving.submit(requests)
+        async with models.use(req.model) as serving:
+            requests, echo = await serving.prepare_completion(req)
+            subs = await serving.submit(requests)
         logger.info("completion request %s: %d prompt(s), n=%d, stream=%s", subs[0][0], len(requests), req.n,
                     req.stream)
         logger.debug("completion request %s prompt: %r", subs[0][0], req.prompt)
         top = req.logprobs
         if req.stream:
             return StreamingResponse(R.completion_stream(serving, req, subs, top, echo),
-                                     media_type="text/event-stream", headers=_SSE_HEADERS)
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
         return await run_until_disconnect(raw, R.completion_full(serving, req, subs, top, echo),
-                                          [r for r, _ in subs], engine)
+                                          [r for r, _ in subs], serving.engine)
 
 
 def api_routes(app: FastAPI, prefix: str = "") -> list[tuple[str, str]]:
@@ -149,20 +152,14 @@ OTHER_APIS = {"/messages": "The Anthropic Messages API", "/responses": "The Open
               "/embeddings": "The embeddings API"}
 
 
-def create_openai_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
-                      tool_call_parser: str | None = None) -> FastAPI:
-    """The ``/v1`` sub-application. ``api_key``: when set, every route needs ``Authorization: Bearer <key>``.
-    ``tool_call_parser``: the tool-call format to use (default: detected from the chat template).
-
-    Raises:
-        ValueError: the engine has no tokenizer, or an unknown tool_call_parser (see :class:`OpenAIServing`).
-    """
+def create_openai_app(models: ServedModels, api_key: str | None = None) -> FastAPI:
+    """The ``/v1`` sub-application over the served ``models`` (:mod:`served_models`). ``api_key``: when set,
+    every route needs ``Authorization: Bearer <key>``."""
 
     async def verify_key(request: Request, _: BearerKey) -> None:
         if not has_api_key(request, api_key):
             raise OpenAIError(401, INVALID_KEY_MESSAGE, code="invalid_api_key")
 
-    serving = OpenAIServing(engine, served_model_name, tool_call_parser)
     # Its schema is served, with the routes around it, at /openapi.json and /docs (entrypoints/server.py).
     app = FastAPI(title="lightinfer OpenAI-compatible API", dependencies=[Depends(verify_key)] if api_key else [],
                   docs_url=None, redoc_url=None, openapi_url=None)
@@ -187,5 +184,5 @@ def create_openai_app(engine: AsyncLLMEngine, served_model_name: str, api_key: s
             detail = "the request body could not be read as JSON (is it UTF-8 encoded?); send a UTF-8 JSON object"
         return error_response(OpenAIError(exc.status_code, detail))
 
-    _register_routes(app, serving)
+    _register_routes(app, models)
     return app

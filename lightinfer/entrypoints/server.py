@@ -39,6 +39,8 @@ from lightinfer.entrypoints.openai_api import (
     unknown_route_error,
 )
 from lightinfer.entrypoints.openai_errors import error_response
+from lightinfer.entrypoints.openai_serving import OpenAIServing
+from lightinfer.entrypoints.served_models import SingleModel
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 32k-token chat is ~150 KB of JSON: 4 MiB is generous
@@ -160,7 +162,7 @@ def build_api_app(
         return Response(json.dumps(vars(engine.get_stats())), media_type="application/json")
 
     # Routes above and /v1 are matched before a catch-all mount at "/" added later (the chat UI).
-    v1 = create_openai_app(engine, name, api_key, tool_call_parser)
+    v1 = create_openai_app(SingleModel(OpenAIServing(engine, name, tool_call_parser)), api_key)
 
     @app.api_route("/v1", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
     async def v1_root(request: Request) -> Response:
