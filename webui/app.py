@@ -24,10 +24,19 @@ from lightinfer.engine.async_engine import (
     EngineOverloadedError,
     RequestFailedError,
 )
-from lightinfer.inputs import EngineRequest, fit_context
+from lightinfer.entrypoints.model_pool import ModelPool
+from lightinfer.entrypoints.openai_errors import OpenAIError
+from lightinfer.inputs import EngineRequest, InputProcessor, fit_context
 from lightinfer.inputs.text import check_text
 from lightinfer.sampling_params import CHAT_SAMPLING, SamplingParams
 from lightinfer.webui.panels import engine_panel, model_panel
+from lightinfer.webui.picker import (
+    ModelTarget,
+    model_choices,
+    pool_engine_panel,
+    pool_model_panel,
+    wire_picker,
+)
 from lightinfer.webui.replies import (
     ReplyTracker,
     content_text,
@@ -88,13 +97,21 @@ class ChatInterface(gr.ChatInterface):
 API_LINK = "OpenAI-compatible at `/v1` · [Use via API](docs) (its routes and schema, at `/docs`)"
 
 
-def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinfer") -> gr.Blocks:
-    """The chat UI bound to ``engine``; mount it with ``gr.mount_gradio_app`` (see ``server.py``).
+def build_ui(engine: AsyncLLMEngine | None = None, max_queue: int = 64, title: str = "lightinfer", *,
+             models: ModelPool | None = None) -> gr.Blocks:
+    """The chat UI bound to ``engine``, or with a model picker over a many-model server's ``models``; mount it
+    with ``gr.mount_gradio_app`` (see ``server.py``).
 
     Args:
-        engine: the shared async engine.
+        engine: the shared async engine (a one-model server).
         max_queue: Gradio's queue bound; beyond it new events are refused ("queue full").
+        models: instead of ``engine``: the picker lists every model with its state, choosing one loads it, and a
+            reply is made by the model chosen when it was sent (its note names it).
+    Raises:
+        ValueError: neither or both of engine and models.
     """
+    if (engine is None) == (models is None):
+        raise ValueError("build_ui takes an engine or a model pool, not both")
     # Gradio summarises its queue analytics with pandas after every event by default: every 100 is plenty.
     os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", "100")
     # Gradio asks matplotlib (when installed) for its backend around every event; the first ask imports it, and
@@ -105,21 +122,31 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
         import matplotlib  # noqa: F401
     # Templating and tokenizing run on one worker thread with its own tokenizer (the engine thread owns the
     # engine's copy), never on the event loop that streams every tab's and API client's tokens.
-    inputs = engine.input_processor.copy()
-    prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightinfer-ui-inputs")
-    info = engine.model_info()
-    max_model_len = int(info["max_model_len"])
+    target = ModelTarget(engine, models)
+    info = engine.model_info() if engine is not None else {}
+    max_model_len = int(info.get("max_model_len") or 4096)  # a picker's slider: each model clamps to its context
     ui_sampling = initial_sampling(info.get("sampling_defaults") or {})
     replies = ReplyTracker()
 
-    def prepare(system: str, turns: list[dict[str, str]], max_new_tokens: int,
+    def prepare(inputs: InputProcessor, system: str, turns: list[dict[str, str]], max_new_tokens: int,
                 settings: dict[str, Any]) -> tuple[EngineRequest, int]:
-        prompt, dropped, max_new = fit_context(inputs.tokenizer, system, turns, max_model_len, max_new_tokens)
+        prompt, dropped, max_new = fit_context(inputs.tokenizer, system, turns, inputs.max_model_len, max_new_tokens)
         return inputs.process(prompt, SamplingParams(max_tokens=max_new, **settings)), dropped
 
-    async def respond(message: str | dict[str, Any], history: list[Any], system: str, temperature: float,
-                      top_p: float, top_k: float, max_new_tokens: float, seed: float | None,
-                      json_schema: str = "", request: gr.Request = None) -> AsyncIterator[str | list[gr.ChatMessage]]:
+    async def respond(message: str | dict[str, Any], history: list[Any], *args: Any,
+                      request: gr.Request = None) -> AsyncIterator[str | list[gr.ChatMessage]]:
+        model, args = (args[0], args[1:]) if models is not None else (None, args)
+        try:
+            async with target.use(model) as (engine_, inputs, prep):
+                async for update in reply(engine_, inputs, prep, model, message, history, *args, request=request):
+                    yield update
+        except OpenAIError as exc:  # a model that cannot be loaded (or no longer exists)
+            yield [refusal(f"⚠️ {exc.body.error.message}")]
+
+    async def reply(engine: AsyncLLMEngine, inputs: InputProcessor, prep: ThreadPoolExecutor, model: str | None,
+                    message: str | dict[str, Any], history: list[Any], system: str, temperature: float,
+                    top_p: float, top_k: float, max_new_tokens: float, seed: float | None, json_schema: str = "",
+                    request: gr.Request = None) -> AsyncIterator[str | list[gr.ChatMessage]]:
         turns = history_messages(history) + [{"role": "user", "content": content_text(message)}]
         try:
             # Costs nothing, on the loop: a message far beyond the context never reaches the tokenizer.
@@ -128,7 +155,7 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
                         "top_k": int(top_k) if top_k and int(top_k) > 0 else -1, "seed": ui_seed(seed),
                         "structured_outputs": json_schema_constraint(json_schema)}
             request_, dropped = await asyncio.get_running_loop().run_in_executor(
-                prep, prepare, system or "", turns, int(max_new_tokens), settings)
+                prep, prepare, inputs, system or "", turns, int(max_new_tokens), settings)
         except ValueError as exc:
             yield [refusal(f"⚠️ {exc}")]
             return
@@ -161,7 +188,8 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
         if json_schema and json_schema.strip():
             text = format_json_reply(text)
         cut = " · cut at the Max new tokens limit (Sampling panel)" if reason == "length" else ""
-        yield notes + [gr.ChatMessage(role="assistant", content=text), note(progress.stats() + cut)]
+        by = f"{model} · " if model is not None else ""  # with a picker, which model answered
+        yield notes + [gr.ChatMessage(role="assistant", content=text), note(by + progress.stats() + cut)]
 
     async def mark_stopped(history: list[Any], request: gr.Request = None) -> Any:
         """Stop's handler: the stopped reply keeps its text and gets its numbers and a "stopped" mark."""
@@ -172,6 +200,9 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
 
     with gr.Blocks(title=title, analytics_enabled=False, fill_height=True) as demo, gr.Row():
         with gr.Column(scale=4):
+            picker = None if models is None else gr.Dropdown(
+                choices=model_choices(models), value=models.default_name, label="Model", elem_id="model-picker",
+                info="choosing a model loads it if it is not loaded; each reply says which model made it")
             system = gr.Textbox(label="System prompt", value="You are a helpful assistant.", lines=1)
             sampling = [
                 gr.Slider(*SAMPLING_RANGES["temperature"], value=ui_sampling["temperature"], step=0.05,
@@ -191,7 +222,7 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
             chat = ChatInterface(
                 respond, chatbot=gr.Chatbot(label="Chat", height=480, render=False),
                 submit_btn="Send", stop_btn="Stop",
-                additional_inputs=[system, *sampling],
+                additional_inputs=[*([picker] if picker is not None else []), system, *sampling],
                 additional_inputs_accordion=gr.Accordion("Sampling", open=False, render=False),
                 concurrency_limit=None, autofocus=True, fill_height=False,
                 title=None, analytics_enabled=False, api_name="chat", validator=check_message,
@@ -200,12 +231,16 @@ def build_ui(engine: AsyncLLMEngine, max_queue: int = 64, title: str = "lightinf
                               api_visibility="undocumented")
         with gr.Column(scale=1, min_width=260):
             gr.Markdown("### Model")
-            gr.Markdown(model_panel(info))
+            model_md = gr.Markdown(model_panel(info) if engine is not None else pool_model_panel(models, None))
             gr.Markdown("### Engine")
-            live = gr.Markdown(engine_panel(engine))
+            live = gr.Markdown(engine_panel(engine) if engine is not None else pool_engine_panel(models, None))
             gr.Markdown("### API")
             gr.Markdown(API_LINK, elem_id="api-link")
-            gr.Timer(2.0).tick(lambda: engine_panel(engine), None, live, queue=False,
-                               api_visibility="undocumented", show_progress="hidden")
+            if models is None:
+                gr.Timer(2.0).tick(lambda: engine_panel(engine), None, live, queue=False,
+                                   api_visibility="undocumented", show_progress="hidden")
+            else:
+                assert picker is not None
+                wire_picker(models, picker, model_md, live)
     demo.queue(max_size=max_queue, default_concurrency_limit=None)  # its poll: queue_pace.py (server.py)
     return demo

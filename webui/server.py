@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lightinfer.engine.async_engine import AsyncLLMEngine
+from lightinfer.entrypoints.model_pool import ModelPool
 from lightinfer.entrypoints.server import DEFAULT_MAX_REQUEST_BYTES, build_api_app
 from lightinfer.webui.app import build_ui
 from lightinfer.webui.queue_pace import QueuePace, UIActivity
@@ -68,8 +69,9 @@ def ui_login(api_key: str | None, ui_auth: tuple[str, str] | None) -> tuple[Call
 
 
 def build_app(
-    engine: AsyncLLMEngine,
+    engine: AsyncLLMEngine | None = None,
     *,
+    models: ModelPool | None = None,
     served_model_name: str | None = None,
     api_key: str | None = None,
     ui_auth: tuple[str, str] | None = None,
@@ -81,6 +83,7 @@ def build_app(
 
     Args:
         engine: the shared async engine (not yet started is fine).
+        models: instead of ``engine``, a many-model server's models (the UI gets a model picker).
         served_model_name: the ``model`` name the API answers to; default ``model_info()["model"]``.
         api_key: when set, the API needs ``Authorization: Bearer <api_key>`` (else 401) and, without
             ``ui_auth``, the UI's login takes it as the password (module docstring).
@@ -91,9 +94,10 @@ def build_app(
     Raises:
         ValueError: the engine has no tokenizer; an unknown tool_call_parser.
     """
-    app = build_api_app(engine, served_model_name=served_model_name, api_key=api_key,
+    app = build_api_app(engine, models=models, served_model_name=served_model_name, api_key=api_key,
                         max_request_bytes=max_request_bytes, tool_call_parser=tool_call_parser)
-    blocks = build_ui(engine, max_queue=ui_max_queue or engine.max_waiting)
+    max_waiting = engine.max_waiting if engine is not None else (models.engine_config.max_waiting if models else 64)
+    blocks = build_ui(engine, max_queue=ui_max_queue or max_waiting, models=models)
     auth, auth_message = ui_login(api_key, ui_auth)
     # No Gradio footer: its "Use via API" opened Gradio's page for its own routes; the UI's API link (webui/app.py)
     # points at /docs, the /v1 API's schema.

@@ -7,12 +7,14 @@ Two sources:
 - per-request latencies (time to first token, inter-token latency, end-to-end) are histograms
   fed by the async engine's observer hooks on the engine thread.
 
-Each server gets its own ``CollectorRegistry`` (no process-global state: tests build many apps).
+Each server gets its own ``CollectorRegistry`` (no process-global state: tests build many apps). A many-model
+server (``entrypoints/model_pool.py``) labels every series with ``model_name`` (vLLM's label), one per loaded
+model; a one-model server's series carry no label.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -27,14 +29,35 @@ _ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 
 _E2E_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
-class _EngineStatsCollector(Collector):
-    """Exports the engine's ``EngineStats`` snapshot at scrape time."""
+Sources = Callable[[], list[tuple[str, AsyncLLMEngine]]]  # (model name, engine) of each loaded model
 
-    def __init__(self, engine: AsyncLLMEngine) -> None:
-        self.engine = engine
+
+class _EngineStatsCollector(Collector):
+    """Exports the engines' ``EngineStats`` snapshots at scrape time (labelled by model when ``labelled``)."""
+
+    def __init__(self, sources: Sources, labelled: bool) -> None:
+        self.sources, self.labelled = sources, labelled
 
     def collect(self) -> Iterator[Metric]:
-        s = self.engine.get_stats()
+        families: dict[str, Metric] = {}
+        for name, engine in self.sources():
+            for metric in self._collect_one(engine):
+                if not self.labelled:
+                    yield metric
+                    continue
+                for sample in metric.samples:
+                    if sample.name not in (metric.name, metric.name + "_total"):  # e.g. a counter's _created
+                        continue
+                    merged = families.get(metric.name)
+                    if merged is None:
+                        merged = families[metric.name] = type(metric)(metric.name, metric.documentation,
+                                                                      labels=["model_name", *sample.labels])
+                    merged.add_metric([name, *sample.labels.values()], sample.value)
+        yield from families.values()
+
+    @staticmethod
+    def _collect_one(engine: AsyncLLMEngine) -> Iterator[Metric]:
+        s = engine.get_stats()
         gauges = {
             "num_requests_running": ("Requests in the running batch.", s.num_running),
             "num_requests_waiting": ("Requests queued for the batch.", s.num_waiting),
@@ -77,23 +100,35 @@ class ServingMetrics:
     """The server's metrics; also the async engine's ``RequestObserver``.
 
     Args:
-        engine: the async engine to read stats from and to observe.
+        engine: the async engine to read stats from and to observe (a one-model server).
+        sources: instead of ``engine``, a many-model server's loaded models, ``() -> [(name, engine)]``; series are
+            labelled ``model_name``, and each engine is observed from :meth:`attach`.
     """
 
-    def __init__(self, engine: AsyncLLMEngine) -> None:
+    def __init__(self, engine: AsyncLLMEngine | None = None, *, sources: Sources | None = None) -> None:
+        if (engine is None) == (sources is None):
+            raise ValueError("ServingMetrics takes an engine or sources, not both")
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineStatsCollector(engine))
+        labelled = sources is not None
+        single: Sources = lambda: [("", engine)]
+        self.registry.register(_EngineStatsCollector(sources or single, labelled))
+        by_model = ["model_name"] if labelled else []
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from arrival to the first token.",
-                              buckets=_TTFT_BUCKETS, registry=self.registry)
+                              by_model, buckets=_TTFT_BUCKETS, registry=self.registry)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between a request's engine steps "
-                             "that produced tokens.", buckets=_ITL_BUCKETS, registry=self.registry)
+                             "that produced tokens.", by_model, buckets=_ITL_BUCKETS, registry=self.registry)
         self.e2e = Histogram(PREFIX + "request_latency_seconds", "Time from arrival to the end of a request.",
-                             buckets=_E2E_BUCKETS, registry=self.registry)
+                             by_model, buckets=_E2E_BUCKETS, registry=self.registry)
         self.finished = Counter(PREFIX + "requests_finished", "Requests ended, by finish reason.",
-                                ["finish_reason"], registry=self.registry)
+                                ["finish_reason", *by_model], registry=self.registry)
         self.rejected = Counter(PREFIX + "requests_rejected", "Requests refused because the queue was full.",
-                                registry=self.registry)
-        engine.add_observer(self)
+                                by_model, registry=self.registry)
+        if engine is not None:
+            engine.add_observer(self)
+
+    def attach(self, name: str, engine: AsyncLLMEngine) -> None:
+        """Observe a many-model server's newly loaded ``engine`` under ``model_name=name``."""
+        engine.add_observer(_ModelObserver(self, name))
 
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -111,3 +146,23 @@ class ServingMetrics:
     def render(self) -> tuple[bytes, str]:
         """``(body, content_type)`` in the Prometheus text format."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _ModelObserver:
+    """One loaded model's ``RequestObserver`` feeding the labelled series of a many-model server's metrics."""
+
+    def __init__(self, metrics: ServingMetrics, name: str) -> None:
+        self.metrics, self.name = metrics, name
+
+    def on_first_token(self, seconds: float) -> None:
+        self.metrics.ttft.labels(model_name=self.name).observe(seconds)
+
+    def on_inter_token(self, seconds: float) -> None:
+        self.metrics.itl.labels(model_name=self.name).observe(seconds)
+
+    def on_finished(self, finish_reason: str, seconds: float) -> None:
+        self.metrics.finished.labels(finish_reason=finish_reason, model_name=self.name).inc()
+        self.metrics.e2e.labels(model_name=self.name).observe(seconds)
+
+    def on_rejected(self) -> None:
+        self.metrics.rejected.labels(model_name=self.name).inc()

@@ -386,6 +386,12 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "lightinfer"
     max_model_len: int | None = None
+    # a many-model server's extras (lightinfer serve MODEL MODEL ... / --models-dir): left out by a one-model server
+    state: Literal["loaded", "loading", "unloaded", "error"] | None = None
+    format: str | None = None
+    size_bytes: int | None = None
+    pinned: bool | None = None
+    error: str | None = None
 
 
 class ModelList(BaseModel):

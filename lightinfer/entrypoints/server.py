@@ -32,6 +32,7 @@ from lightinfer.engine.async_engine import AsyncLLMEngine
 from lightinfer.entrypoints.api_docs import add_swagger_ui
 from lightinfer.entrypoints.http_limits import HTTPLimits, uvicorn_config
 from lightinfer.entrypoints.metrics import ServingMetrics
+from lightinfer.entrypoints.model_pool import ModelPool
 from lightinfer.entrypoints.openai_api import (
     INVALID_KEY_MESSAGE,
     create_openai_app,
@@ -40,7 +41,8 @@ from lightinfer.entrypoints.openai_api import (
 )
 from lightinfer.entrypoints.openai_errors import error_response
 from lightinfer.entrypoints.openai_serving import OpenAIServing
-from lightinfer.entrypoints.served_models import SingleModel
+from lightinfer.entrypoints.pool_routes import add_pool_routes
+from lightinfer.entrypoints.served_models import ServedModels, SingleModel
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 32k-token chat is ~150 KB of JSON: 4 MiB is generous
@@ -94,36 +96,58 @@ class _BodyTooLarge(Exception):
 
 
 def build_api_app(
-    engine: AsyncLLMEngine,
+    engine: AsyncLLMEngine | None = None,
     *,
+    models: ModelPool | None = None,
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     tool_call_parser: str | None = None,
 ) -> FastAPI:
-    """Assemble the API server; the engine loop starts and stops with the app's lifespan.
+    """Assemble the API server; the engine loop (or the pool's loading) starts and stops with the app's lifespan.
 
     Args:
-        engine: the shared async engine (not yet started is fine).
-        served_model_name: the ``model`` name the API answers to; default ``model_info()["model"]``.
-        api_key: when set, ``/v1``, ``/metrics`` and ``/stats`` need ``Authorization: Bearer <api_key>``
-            (else 401); ``/health`` stays open.
+        engine: the shared async engine of a one-model server (not yet started is fine).
+        models: instead of ``engine``, the models of a many-model server (:class:`ModelPool`); adds
+            ``POST /models/load`` and ``/models/unload`` (``{"model": NAME}``), and ``/stats`` lists every model.
+        served_model_name: the ``model`` name the API answers to; default ``model_info()["model"]`` (one model).
+        api_key: when set, ``/v1``, ``/metrics``, ``/stats`` and ``/models/*`` need the key (``Authorization:
+            Bearer <api_key>`` or ``x-api-key``; else 401); ``/health`` stays open.
         max_request_bytes: larger request bodies (to any route, a UI mounted later included) get 413.
         tool_call_parser: the tool-call format (``--tool-call-parser``); None: detected from the chat template.
     Returns:
         the app; more routes or mounts (the UI at ``/``) may be added before it starts.
     Raises:
-        ValueError: the engine has no tokenizer; an unknown tool_call_parser.
+        ValueError: neither or both of engine and models; the engine has no tokenizer; an unknown tool_call_parser.
     """
-    metrics = ServingMetrics(engine)
-    name = served_model_name or str(engine.model_info()["model"])
+    if (engine is None) == (models is None):
+        raise ValueError("build_api_app takes an engine or a model pool, not both")
+    served: ServedModels
+    if engine is not None:
+        metrics = ServingMetrics(engine)
+        name = served_model_name or str(engine.model_info()["model"])
+        served = SingleModel(OpenAIServing(engine, name, tool_call_parser))
+    else:
+        assert models is not None
+        pool = models
+        metrics = ServingMetrics(sources=lambda: [(n, e.engine) for n, e in pool.entries.items()
+                                                  if e.engine is not None])
+        pool.add_load_listener(metrics.attach)
+        name, served = ", ".join(pool.names()), pool
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        engine.start()
-        logger.info("engine loop started; serving %s", name)
+        if engine is not None:
+            engine.start()
+            logger.info("engine loop started; serving %s", name)
+            yield
+            engine.shutdown()
+            return
+        assert models is not None
+        await models.start()
+        logger.info("serving %d models (%s), each loaded when a request names it", len(models.names()), name)
         yield
-        engine.shutdown()
+        await models.close()
 
     # /openapi.json, /docs and /redoc describe this app's routes and the /v1 app's (openapi_schema below);
     # they are matched before the chat UI mounted at "/", whose own schema would describe Gradio's routes.
@@ -133,12 +157,13 @@ def build_api_app(
                   redoc_url="/redoc", openapi_url="/openapi.json")
     if local_docs:
         add_swagger_ui(app, "lightinfer")
-    app.state.engine, app.state.metrics = engine, metrics
+    app.state.engine, app.state.models, app.state.metrics = engine, models, metrics
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while the engine loop runs (load balancers poll this), else 503."""
-        if engine.is_running:
+        """200 while the engine loop runs (with several models: every loaded model's; load balancers poll this),
+        else 503."""
+        if (engine or models).is_running:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable"}, status_code=503)
 
@@ -159,10 +184,14 @@ def build_api_app(
         """The engine's counters as JSON (module docstring); Bearer key when the server has one."""
         if not has_api_key(request, api_key):
             return unauthorized()
-        return Response(json.dumps(vars(engine.get_stats())), media_type="application/json")
+        body = vars(engine.get_stats()) if engine is not None else models.stats()
+        return Response(json.dumps(body), media_type="application/json")
+
+    if models is not None:
+        add_pool_routes(app, models, api_key)
 
     # Routes above and /v1 are matched before a catch-all mount at "/" added later (the chat UI).
-    v1 = create_openai_app(SingleModel(OpenAIServing(engine, name, tool_call_parser)), api_key)
+    v1 = create_openai_app(served, api_key)
 
     @app.api_route("/v1", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
     async def v1_root(request: Request) -> Response:

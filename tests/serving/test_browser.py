@@ -259,3 +259,31 @@ def test_the_box_keeps_its_placeholder_and_the_buttons_have_names(browser: Any, 
     assert httpx.get(f"{slow_server.url}/docs", timeout=10).status_code == 200
     assert page.locator("footer").count() == 0  # no Gradio footer (its link led to Gradio's own API page)
     page.context.close()
+
+
+def test_model_picker_shows_states_loads_on_choice_and_replies_name_the_model(browser: Any) -> None:
+    """A many-model server's UI: the picker lists each model with its state, choosing one loads it, and each
+    reply names the model that made it (fake engines, as tests/serving/test_model_pool.py)."""
+    from conftest import start_server
+    from test_model_pool import Loader, make_pool
+
+    from lightinfer.webui.server import build_app
+
+    pool = make_pool(Loader(delay=1.0), names=("alpha", "beta"))
+    live = start_server(build_app(models=pool), None)
+    try:
+        page = _open(browser, live.url, temperature=None, max_new_tokens="12")
+        picker = page.get_by_label("Model")
+        picker.click()
+        options = page.get_by_role("option").all_inner_texts()
+        assert any("alpha" in o and "not loaded" in o for o in options), options
+        page.get_by_role("option", name="beta").click()  # choosing it loads it
+        _wait_for(lambda: pool.entries["beta"].state == "loaded", 30, "beta to load on choice")
+        _wait_for(lambda: "loaded: beta" in page.content(), 10, "the engine panel to list beta as loaded")
+        _send(page, "hello")
+        _wait_for(lambda: any("tokens/s" in t for t in _bot_texts(page)), 30, "the reply and its stats line")
+        assert any(t.lstrip().startswith("beta ·") for t in _bot_texts(page)), _bot_texts(page)
+        assert pool.entries["alpha"].state == "unloaded"  # never chosen, never loaded
+        page.context.close()
+    finally:
+        live.stop()

@@ -185,10 +185,10 @@ def test_demo_serves_the_gguf_unless_awq_is_asked(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(commands, "ensure_quantized", lambda requantize=False: Path("/cache/awq"))
     monkeypatch.setattr(commands, "run_serve", lambda args: served.append(args.model) or 0)
     args = _parse(["demo"])
-    assert commands.run_demo(args) == 0 and served == ["smollm2-135m-instruct"]  # 4-bit, no AWQ minutes
+    assert commands.run_demo(args) == 0 and served == [["smollm2-135m-instruct"]]  # 4-bit, no AWQ minutes
     assert args.kv_cache_dtype == ("int8" if torch.cuda.is_available() else "auto")
     commands.run_demo(_parse(["demo", "--awq"]))
-    assert served[-1] == "/cache/awq"
+    assert served[-1] == ["/cache/awq"]
 
 
 def test_ui_queue_does_not_poll_every_millisecond() -> None:
