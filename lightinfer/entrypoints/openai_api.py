@@ -4,15 +4,14 @@ A FastAPI sub-application, so its errors (validation included) come out in OpenA
 (:mod:`openai_errors`) without touching the app around it. Each route checks the model, has
 :class:`OpenAIServing` prepare the engine requests (off the event loop), submits them, and
 answers with :mod:`openai_responses`. A client that disconnects aborts its requests, freeing
-their KV blocks.
+their KV blocks. The Anthropic Messages API's routes (``/messages``) join it from :mod:`anthropic_api`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,53 +20,33 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lightinfer.engine.async_engine import AsyncLLMEngine
 from lightinfer.entrypoints import openai_responses as R
 from lightinfer.entrypoints import protocol as P
+from lightinfer.entrypoints.anthropic_api import register_anthropic_routes
 from lightinfer.entrypoints.openai_errors import OpenAIError, error_response, validation_error_response
+from lightinfer.entrypoints.openai_serving import SSE_HEADERS, run_until_disconnect
 from lightinfer.entrypoints.served_models import ServedModels, check_model_name, unknown_model_error
 
 logger = logging.getLogger(__name__)
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-async def run_until_disconnect(request: Request, work: Any, request_ids: list[str],
-                               engine: AsyncLLMEngine) -> Any:
-    """Await ``work``; if the client disconnects first, abort ``request_ids`` and cancel it."""
-
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(watch())
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        for rid in request_ids:
-            engine.abort(rid)
-        task.cancel()
-        logger.info("client disconnected; aborted %d request(s)", len(request_ids))
-        return Response(status_code=499)
-    finally:
-        watcher.cancel()
 
 
 # Declared through HTTPBearer so that the OpenAPI schema (/docs) says the routes take a Bearer key and offers to
 # send one; the check itself is has_api_key's constant-time comparison.
 BearerKey = Annotated[HTTPAuthorizationCredentials | None,
                       Depends(HTTPBearer(auto_error=False, description="the server's API key (--api-key)"))]
-INVALID_KEY_MESSAGE = "Incorrect API key provided: send 'Authorization: Bearer <key>'"
+INVALID_KEY_MESSAGE = "Incorrect API key provided: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
 
 
 def has_api_key(request: Request, api_key: str | None) -> bool:
-    """Whether ``request`` carries ``Authorization: Bearer <api_key>`` (always True when ``api_key`` is None);
-    compared in constant time."""
+    """Whether ``request`` carries ``Authorization: Bearer <api_key>`` or ``x-api-key: <api_key>`` (Anthropic's
+    clients send that one); always True when ``api_key`` is None. Both compared in constant time."""
     if api_key is None:
         return True
-    given = request.headers.get("authorization", "")
-    return secrets.compare_digest(given.encode("utf-8", "surrogatepass"),
-                                  f"Bearer {api_key}".encode("utf-8", "surrogatepass"))
+    key = api_key.encode("utf-8", "surrogatepass")
+    bearer = request.headers.get("authorization", "").encode("utf-8", "surrogatepass")
+    x_api_key = request.headers.get("x-api-key")
+    return secrets.compare_digest(bearer, b"Bearer " + key) | (
+        x_api_key is not None and secrets.compare_digest(x_api_key.encode("utf-8", "surrogatepass"), key))
 
 
 def _register_routes(app: FastAPI, models: ServedModels) -> None:
@@ -148,8 +127,7 @@ def unknown_route_error(app: FastAPI, request: Request, exc: StarletteHTTPExcept
 
 
 # paths of other APIs that clients of this server may try, named in the 404 (an agent's client pointed here)
-OTHER_APIS = {"/messages": "The Anthropic Messages API", "/responses": "The OpenAI Responses API",
-              "/embeddings": "The embeddings API"}
+OTHER_APIS = {"/responses": "The OpenAI Responses API", "/embeddings": "The embeddings API"}
 
 
 def create_openai_app(models: ServedModels, api_key: str | None = None) -> FastAPI:
@@ -185,4 +163,5 @@ def create_openai_app(models: ServedModels, api_key: str | None = None) -> FastA
         return error_response(OpenAIError(exc.status_code, detail))
 
     _register_routes(app, models)
+    register_anthropic_routes(app, models)  # /messages, /messages/count_tokens; their errors in Anthropic's shape
     return app

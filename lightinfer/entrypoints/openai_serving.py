@@ -8,16 +8,23 @@ tokenizer; the event loop keeps another copy for turning sampled ids into
 token strings. HF fast tokenizers are not safe to share between threads, hence the two copies.
 Structured-output constraints and tool grammars are compiled on that thread too (into the engine's
 shared grammar cache), so the engine thread only copies a compiled matcher.
+
+:func:`run_until_disconnect` is how every API route answers a request that is not streamed: a client that
+disconnects first aborts its engine requests, freeing their KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response
 
 from lightinfer.engine.async_engine import AsyncLLMEngine, RequestStream
 from lightinfer.entrypoints import protocol as P
@@ -31,6 +38,30 @@ from lightinfer.sampling_params import SamplingParams
 from lightinfer.structured.spec import StructuredOutputs, StructuredOutputsError
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # of every API's event streams
+
+
+async def run_until_disconnect(request: Request, work: Any, request_ids: list[str],
+                               engine: AsyncLLMEngine) -> Any:
+    """Await ``work``; if the client disconnects first, abort ``request_ids`` and cancel it."""
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        for rid in request_ids:
+            engine.abort(rid)
+        task.cancel()
+        logger.info("client disconnected; aborted %d request(s)", len(request_ids))
+        return Response(status_code=499)
+    finally:
+        watcher.cancel()
 
 
 class OpenAIServing:
@@ -91,11 +122,10 @@ class OpenAIServing:
         except ValueError as exc:
             raise as_openai_error(exc) from exc
 
-    def _chat_request(self, req: P.ChatCompletionRequest, top: int | None) -> tuple[EngineRequest, ToolCalling | None]:
-        structured, field = structured_outputs_of(req)  # cheap checks first: a bad schema is a 400 before any template
+    def _render_chat(self, req: P.ChatCompletionRequest) -> tuple[Any, ToolCalling | None]:
         messages = [m.to_message() for m in req.messages]
         try:
-            prompt, calling = self.inputs.render_chat_tools(
+            return self.inputs.render_chat_tools(
                 messages, tools=req.tools, tool_choice=req.tool_choice,
                 parallel_tool_calls=req.parallel_tool_calls is not False,
                 add_generation_prompt=req.add_generation_prompt, chat_template_kwargs=req.chat_template_kwargs)
@@ -103,13 +133,21 @@ class OpenAIServing:
             raise as_openai_error(exc) from exc
         except ValueError as exc:  # e.g. a model without a chat template
             raise OpenAIError(400, str(exc), param="messages") from exc
+
+    def _chat_request(self, req: P.ChatCompletionRequest, top: int | None,
+                      fit_context: bool = False) -> tuple[EngineRequest, ToolCalling | None]:
+        structured, field = structured_outputs_of(req)  # cheap checks first: a bad schema is a 400 before any template
+        prompt, calling = self._render_chat(req)
         if calling is not None:
             try:
                 calling.check_compatible(structured)  # before the context check: the request itself is wrong
             except InputError as exc:
                 raise as_openai_error(exc) from exc
-        params = self.sampling_params(req, len(prompt.prompt_token_ids), req.max_completion_tokens or req.max_tokens,
-                                      top, structured=structured)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        room = self.max_model_len - len(prompt.prompt_token_ids)
+        if fit_context and max_tokens is not None and room > 0:
+            max_tokens = min(max_tokens, room)
+        params = self.sampling_params(req, len(prompt.prompt_token_ids), max_tokens, top, structured=structured)
         if calling is not None:
             try:
                 params = calling.constrain(params)
@@ -118,11 +156,12 @@ class OpenAIServing:
             field = "tools"
         return self._process(prompt, params, field), calling
 
-    async def prepare_chat(self, req: P.ChatCompletionRequest,
-                           top: int | None) -> tuple[EngineRequest, ToolCalling | None]:
+    async def prepare_chat(self, req: P.ChatCompletionRequest, top: int | None, *,
+                           fit_context: bool = False) -> tuple[EngineRequest, ToolCalling | None]:
         """The chat's engine request (template, tokens, settings, constraint), prepared off the event loop after
         a check that costs nothing (a conversation far beyond the context never reaches the tokenizer), and how
-        to read tool calls from the reply (None without tools).
+        to read tool calls from the reply (None without tools). ``fit_context``: a ``max_tokens`` beyond the
+        room the prompt leaves is lowered to that room (Anthropic's rule) instead of a 400 (OpenAI's).
 
         Raises:
             OpenAIError: 400 naming the field (a template that refuses the messages, a prompt longer than
@@ -133,7 +172,22 @@ class OpenAIServing:
             self.inputs.check_text_size(sum(len(m.text()) for m in req.messages), "messages")
         except ValueError as exc:
             raise as_openai_error(exc) from exc
-        return await self._off_loop(self._chat_request, req, top)
+        return await self._off_loop(self._chat_request, req, top, fit_context)
+
+    async def count_chat_tokens(self, req: P.ChatCompletionRequest) -> int:
+        """The prompt tokens :meth:`prepare_chat` would make of ``req`` (template, tools and the tool prompt
+        included), counted off the event loop; nothing is submitted and ``max_tokens`` is not checked.
+
+        Raises:
+            OpenAIError: 400 naming the field (see :meth:`prepare_chat`), also for a conversation so long in
+                characters that it cannot fit the context whatever its tokens (it is never tokenized).
+        """
+        try:
+            self.inputs.check_text_size(sum(len(m.text()) for m in req.messages), "messages")
+        except ValueError as exc:
+            raise as_openai_error(exc) from exc
+        prompt, _ = await self._off_loop(self._render_chat, req)
+        return len(prompt.prompt_token_ids)
 
     def _completion_requests(self, req: P.CompletionRequest) -> tuple[list[EngineRequest], list[str]]:
         p = req.prompt
