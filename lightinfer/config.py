@@ -21,6 +21,7 @@ _DTYPES = {
 KV_CACHE_DTYPES = ("auto", "int8")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("awq",)
+RUNNERS = ("auto", "generate", "pooling")  # vLLM's names
 CPU_DEFAULT_KV_CACHE_BYTES = 512 * 2**20  # a CPU has no memory profiler of ours: a fixed default
 DEFAULT_MAX_MODEL_LEN = 8192  # max_model_len=None: the model's context, capped here (its KV pool must hold one)
 
@@ -178,6 +179,12 @@ class EngineConfig:
             object's text or a JSON file's path, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``
             (``lightinfer/speculative_config.py``, ``engine/spec/``); None = off. Greedy output is identical
             with it on; sampled output has the same distribution.
+        runner: "generate" (text generation), "pooling" (an embedding model: each prompt is prefilled and pooled
+            into one vector, ``LLM.embed`` / ``/v1/embeddings``; generation requests are refused; no prefix cache)
+            or "auto" (the default): "pooling" when the checkpoint says it is an embedding model (a
+            sentence-transformers ``modules.json`` with a Pooling module, an architecture without an LM head
+            such as ``Qwen3Model``, or safetensors weights without ``lm_head.weight`` and no tied head), else
+            "generate". vLLM's name and values; ``LLM(..., task="embed")`` is its older spelling.
 
     :meth:`resolve` turns the settings and the checkpoint's facts into a resolved, frozen config: every "auto"
     and None decided (``dtype``, ``device``, ``max_model_len``, ``cpu_lowbit``, ``cpu_w4``), before anything is
@@ -210,6 +217,7 @@ class EngineConfig:
     cpu_lowbit: bool | None = None
     cpu_w4: str | None = None
     speculative_config: SpeculativeConfig | dict | str | None = None
+    runner: str = "auto"
 
     def __setattr__(self, name: str, value: object) -> None:
         if self.__dict__.get("_frozen"):
@@ -265,6 +273,9 @@ class EngineConfig:
         if self.cpu_w4 is not None and self.cpu_w4 not in CPU_W4_NAMES:
             raise ValueError(f"cpu_w4 must be one of {', '.join(CPU_W4_NAMES)} (the CPU's 4-bit product) or None "
                              f"(the LIGHTINFER_CPU_W4 switch, default c), got {self.cpu_w4!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)} (pooling: an embedding model), got "
+                             f"{self.runner!r}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
         self.max_vram = parse_bytes(self.max_vram)
@@ -280,19 +291,22 @@ class EngineConfig:
         """Whether this config came out of :meth:`resolve` (every automatic setting decided; frozen)."""
         return bool(self.__dict__.get("_frozen"))
 
-    def resolve(self, *, model_max_len: int, quantized: bool) -> EngineConfig:
+    def resolve(self, *, model_max_len: int, quantized: bool, pooling_model: bool = False) -> EngineConfig:
         """A resolved, frozen copy of this config (this one is left as it is): ``dtype`` the dtype's name
         (:func:`resolve_dtype`; on a CPU :func:`cpu_auto_dtype` for "auto"), ``device`` the device with its
         index, ``max_model_len`` a number of tokens (:func:`choose_max_model_len`), ``cpu_lowbit`` and
         ``cpu_w4`` the value in force (the field, else the environment switch), ``long_prefill_token_threshold``
-        a number. ``torch_dtype`` / ``torch_device`` as ever. Resolving a resolved config returns it.
+        a number, ``runner`` "generate" or "pooling" (a pooling engine has ``enable_prefix_caching`` False: its
+        requests keep no KV after their prefill). ``torch_dtype`` / ``torch_device`` as ever. Resolving a
+        resolved config returns it.
 
         Args:
             model_max_len: the checkpoint's context in tokens (``max_position_embeddings`` with its RoPE
                 scaling: ``layers.rope_scaling.rope_max_positions``).
             quantized: the checkpoint's linears are 4-/8-bit (it has a quantization config).
+            pooling_model: the checkpoint says it is an embedding model (what ``runner="auto"`` follows).
         Raises:
-            ValueError: ``max_model_len`` beyond ``model_max_len``.
+            ValueError: ``max_model_len`` beyond ``model_max_len``; speculative decoding asked of a pooling engine.
         """
         if self.resolved:
             return self
@@ -305,10 +319,15 @@ class EngineConfig:
         if self.dtype == "auto" and self.torch_device.type == "cpu":  # known once the checkpoint is open
             dtype = cpu_auto_dtype(quantized, cpu_lowbit)
         name = str(dtype).replace("torch.", "")
+        runner = self.runner if self.runner != "auto" else "pooling" if pooling_model else "generate"
+        if runner == "pooling" and self.speculative_config is not None:
+            raise ValueError("speculative_config is for text generation; a pooling (embedding) engine generates "
+                             "nothing: leave it out")
         out = dataclasses.replace(
             self, dtype=name if name in _DTYPES else dtype, device=str(self.torch_device),
             max_model_len=choose_max_model_len(model_max_len, self.max_model_len),
-            cpu_lowbit=cpu_lowbit, cpu_w4=cpu_w4)
+            cpu_lowbit=cpu_lowbit, cpu_w4=cpu_w4, runner=runner,
+            enable_prefix_caching=self.enable_prefix_caching and runner == "generate")
         object.__setattr__(out, "_frozen", True)
         return out
 

@@ -1,4 +1,4 @@
-"""The offline Python API: ``LLM(...).generate / .chat`` (vLLM style) and ``pipeline`` (LMDeploy style)."""
+"""The offline Python API: ``LLM(...).generate / .chat / .embed`` (vLLM style) and ``pipeline`` (LMDeploy style)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,15 @@ from tqdm.auto import tqdm
 
 from lightinfer.config import EngineConfig
 from lightinfer.engine.llm_engine import LLMEngine
-from lightinfer.inputs import EngineRequest, InputProcessor, Message, PromptType, TokenizedPrompt
-from lightinfer.outputs import RequestOutput
+from lightinfer.inputs import (
+    EngineRequest,
+    InputProcessor,
+    Message,
+    PoolingParams,
+    PromptType,
+    TokenizedPrompt,
+)
+from lightinfer.outputs import EmbeddingRequestOutput, RequestOutput
 from lightinfer.sampling_params import SamplingParams, chat_sampling
 
 
@@ -24,7 +31,9 @@ class LLM:
         max_model_len: longest prompt + output in tokens.
         show_progress: print a line on stderr as each loading phase starts (reading, tokenizer, weights...).
         **engine_options: any other :class:`lightinfer.config.EngineConfig` field
-            (``kv_cache_dtype="int8"``, ``max_num_seqs``, ``gpu_memory_utilization``, ...).
+            (``kv_cache_dtype="int8"``, ``max_num_seqs``, ``gpu_memory_utilization``, ``runner="pooling"`` for an
+            embedding model, ...); vLLM's older ``task="embed"`` means ``runner="pooling"`` (``task="generate"``:
+            ``runner="generate"``).
 
     Raises:
         FileNotFoundError / ValueError: see :class:`lightinfer.engine.llm_engine.LLMEngine`.
@@ -32,6 +41,13 @@ class LLM:
 
     def __init__(self, model: str, dtype: str = "auto", max_model_len: int | None = None, show_progress: bool = True,
                  **engine_options: object) -> None:
+        if "task" in engine_options:  # vLLM's older spelling of runner
+            task = engine_options.pop("task")
+            runners = {"embed": "pooling", "embedding": "pooling", "generate": "generate", "auto": "auto"}
+            if task not in runners:
+                raise ValueError(f"task must be one of {', '.join(runners)} (vLLM's older name of runner), got {task!r}")
+            if engine_options.setdefault("runner", runners[task]) != runners[task]:  # type: ignore[arg-type]
+                raise ValueError(f"task={task!r} and runner={engine_options['runner']!r} disagree; give runner only")
         self.llm_engine = LLMEngine(EngineConfig(model=model, dtype=dtype, max_model_len=max_model_len,
                                                  **engine_options), show_progress=show_progress)
         self._ids = itertools.count()
@@ -142,6 +158,45 @@ class LLM:
                 if parsed.tool_calls and comp.finish_reason == "stop":
                     comp.finish_reason = "tool_calls"
         return outputs
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        dimensions: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed every prompt with a pooling (embedding) model, batched through the engine; results in input order.
+
+        Each prompt is prefilled (in chunks when longer than the step's budget) and pooled as the model says
+        (``model_info()["pooling"]``: its sentence-transformers files, else the last token, L2-normalised); its KV
+        blocks are freed as soon as it is pooled.
+
+        Args:
+            prompts: a string, a token-id list, vLLM's prompt dicts, or a list of them; text is tokenized with
+                the tokenizer's special tokens (as sentence-transformers encodes it), up to ``max_model_len`` tokens.
+            dimensions: keep the first ``dimensions`` values of each vector and normalise again where the model
+                normalises (Matryoshka; 1..hidden_size, or the model's ``matryoshka_dimensions``); None: all.
+            use_tqdm: show a progress bar.
+        Returns:
+            one :class:`lightinfer.outputs.EmbeddingRequestOutput` per prompt: ``outputs.data`` fp32 ``[dims]``
+            (CPU tensor), ``outputs.embedding`` the same as a list.
+        Raises:
+            ValueError: the model is not a pooling model (start it with ``runner="pooling"``), a bad prompt (empty,
+                longer than ``max_model_len``, ids outside the vocabulary) or ``dimensions``; all are checked
+                before any work starts.
+        """
+        if (isinstance(prompts, (str, dict, TokenizedPrompt)) or not isinstance(prompts, Iterable)
+                or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))):
+            prompts = [prompts]  # type: ignore[list-item]  (one prompt; the input processor refuses other types)
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if not prompts:
+            raise ValueError("embed() got no prompts: give a string, a token-id list, or a list of them")
+        processor = self.input_processor
+        processor.check_embeds()
+        params = PoolingParams(dimensions=dimensions)
+        requests = [processor.process_embedding(p, params) for p in prompts]  # all checked before any is queued
+        return self._run(requests, use_tqdm)  # type: ignore[return-value]
 
     def _run(self, requests: list[EngineRequest], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -26,9 +26,13 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from lightinfer.inputs.pooling import PoolerConfig
 
 logger = logging.getLogger("lightinfer")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
@@ -169,6 +173,8 @@ class Checkpoint:
         self.name = str(model) if str(model).lower() in EMBEDDED_MODELS else self.path.stem if self.path.is_file() else self.path.name
         self.is_gguf = self.path.is_file()
         self._weight_map: dict[str, Path] = {}
+        # engine name -> the name in the file, where they differ (a bare decoder's tensors saved without `model.`)
+        self._stored_names: dict[str, str] = {}
         self.gguf = None
         if self.is_gguf:
             from lightinfer.formats.gguf_file import open_gguf
@@ -205,6 +211,10 @@ class Checkpoint:
         from lightinfer.formats.safetensors_load import check_quantized_tensors
 
         where = self.path / "config.json"
+        if self._stored_names:
+            raise ValueError(f"{self.path}: a quantized checkpoint whose tensor names lack the `model.` prefix (a bare "
+                             f"decoder saved alone) is not supported; quantize the full-precision folder with "
+                             f"`lightinfer quantize`, which writes the prefix")
         check_quant_config(qc, self.hf_config, where)
         formats = linear_formats(qc, list(self._weight_map), where)
         check_quantized_tensors(qc, formats, self._weight_map)
@@ -239,6 +249,11 @@ class Checkpoint:
                 raise ValueError(f"{fpath} is truncated: its header describes {end} bytes but the file has {size}")
             for n in names:
                 self._weight_map[n] = fpath
+        names = list(self._weight_map)
+        if not any(n.startswith("model.") for n in names) and any(n.startswith(("layers.", "embed_tokens.")) for n in names):
+            # transformers' Qwen3Model / LlamaModel... saved alone (embedding models): `layers.0...`, `norm.weight`
+            self._stored_names = {f"model.{n}": n for n in names}
+            self._weight_map = {f"model.{n}": f for n, f in self._weight_map.items()}
 
     def tensor_names(self) -> list[str]:
         """Every tensor name in the checkpoint (Hugging Face naming)."""
@@ -252,7 +267,7 @@ class Checkpoint:
         from safetensors import safe_open
 
         with safe_open(str(self._weight_map[name]), framework="pt") as f:
-            return f.get_tensor(name)
+            return f.get_tensor(self._stored_names.get(name, name))
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` pairs, one shard open at a time (memory stays at one tensor)."""
@@ -268,7 +283,7 @@ class Checkpoint:
         for fpath, names in by_file.items():
             with safe_open(str(fpath), framework="pt") as f:
                 for n in names:
-                    yield n, f.get_tensor(n)
+                    yield n, f.get_tensor(self._stored_names.get(n, n))
 
     @property
     def source_bytes(self) -> int:
@@ -276,6 +291,50 @@ class Checkpoint:
         if self.is_gguf:
             return self.path.stat().st_size
         return sum(p.stat().st_size for p in set(self._weight_map.values()))
+
+    @property
+    def has_lm_head(self) -> bool:
+        """Whether the checkpoint can generate: an architecture with an LM head (not a bare ``Qwen3Model``...) whose
+        weights have ``lm_head.weight`` or tie it to the embedding (a dummy model, with no weights read, counts
+        as having one)."""
+        from lightinfer.models.registry import has_lm_head_architecture
+
+        if not has_lm_head_architecture(self.hf_config):
+            return False
+        names = self.tensor_names()
+        return not names or bool(getattr(self.hf_config, "tie_word_embeddings", False)) or "lm_head.weight" in names
+
+    @property
+    def pooling_reason(self) -> str | None:
+        """Why this checkpoint is an embedding model (what ``runner="auto"`` follows), or None when nothing says so:
+        a sentence-transformers ``modules.json`` with a Pooling module, or no LM head (:attr:`has_lm_head`)."""
+        from lightinfer.formats.sentence_transformers import MODULES_FILE, lists_pooling_module
+        from lightinfer.models.registry import architecture_of
+
+        if not self.is_gguf and lists_pooling_module(self.path):
+            return f"{MODULES_FILE} lists a sentence-transformers Pooling module"
+        if not self.has_lm_head:
+            return f"it has no LM head (architecture {architecture_of(self.hf_config)}, no lm_head.weight)"
+        return None
+
+    def pooler_config(self) -> PoolerConfig:
+        """How this model pools as an embedding model: the sentence-transformers files of an HF folder
+        (``lightinfer/formats/sentence_transformers.py``), else the defaults of a decoder embedding model (last
+        token, L2-normalised).
+
+        Raises:
+            ValueError: sentence-transformers files lightinfer cannot follow (named).
+        """
+        from lightinfer.formats.sentence_transformers import read_pooler_config
+        from lightinfer.inputs.pooling import PoolerConfig
+
+        hidden = int(self.hf_config.hidden_size)
+        found = None if self.is_gguf else read_pooler_config(self.path, hidden, self.hf_config)
+        if found is not None:
+            return found
+        dims = getattr(self.hf_config, "matryoshka_dimensions", None)
+        return PoolerConfig("LAST", True, hidden, tuple(int(d) for d in dims) if isinstance(dims, (list, tuple)) else None,
+                            getattr(self.hf_config, "is_matryoshka", True) is not False)
 
     @property
     def has_tokenizer(self) -> bool:

@@ -1,4 +1,5 @@
-"""What the engine hands back: ``RequestOutput`` with one ``CompletionOutput`` per completion."""
+"""What the engine hands back: ``RequestOutput`` with one ``CompletionOutput`` per completion, or for an
+embedding request (a pooling engine) ``EmbeddingRequestOutput`` with its ``EmbeddingOutput``."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from lightinfer.structured.tool_parser import ToolCall
 
 
@@ -81,3 +84,51 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (vLLM's ``EmbeddingOutput``).
+
+    Attributes:
+        data: fp32 ``[dimensions]`` on the CPU: the pooled final hidden state, cut to the request's
+            ``dimensions`` and L2-normalised where the model normalises; empty for an aborted request.
+    """
+
+    data: torch.Tensor
+
+    @property
+    def embedding(self) -> list[float]:
+        """The vector as a list of Python floats (vLLM's ``outputs.embedding``)."""
+        return self.data.tolist()
+
+    @property
+    def hidden_size(self) -> int:
+        """The vector's length."""
+        return int(self.data.shape[-1])
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The result of one embedding request (``LLM.embed``; vLLM's ``EmbeddingRequestOutput``).
+
+    Attributes:
+        request_id: the caller's id.
+        prompt: prompt text (decoded from the ids when the caller gave ids).
+        prompt_token_ids: the ids that were embedded.
+        outputs: the embedding.
+        finished: True once pooled (an embedding request finishes in the step its prompt's prefill ends).
+        metrics: timing.
+        num_cached_tokens: always 0 (a pooling engine keeps no prefix cache).
+    """
+
+    request_id: str
+    prompt: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+
+
+PoolingRequestOutput = EmbeddingRequestOutput  # vLLM's name of the general kind

@@ -176,6 +176,19 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
             if isinstance(module, RotaryEmbedding):
                 module.set_max_model_len(max_model_len)
 
+    @property
+    def has_lm_head(self) -> bool:
+        """Whether the model still has its LM head (:meth:`drop_lm_head` removes it)."""
+        return getattr(self, "lm_head", None) is not None
+
+    def drop_lm_head(self) -> None:
+        """Remove the LM head, before the weights load: a pooling (embedding) engine only reads the final hidden
+        states (``forward``), so the head is neither loaded (a checkpoint without ``lm_head.weight`` loads) nor
+        kept, and :meth:`compute_logits` is not available afterwards."""
+        if "lm_head" in self._modules:
+            del self._modules["lm_head"]
+        self.lm_head = None
+
     def pack_for_cpu(self) -> None:
         """Prepack every fp32 CPU weight for the oneDNN GEMM (``layers/cpu_gemm.py``), in place;
         inference only, after loading and after ``layers.fusion.fuse_model``. Every layer with a

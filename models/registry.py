@@ -25,6 +25,11 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
+# Checkpoints of the bare decoder (transformers' `Qwen3Model`...: no LM head, tensor names with or without the
+# `model.` prefix), which embedding models ship: the causal LM's class runs them, without its head (a pooling
+# engine only: EngineConfig.runner).
+BASE_MODEL_ARCHITECTURES: dict[str, str] = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
+                                            "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
 # GGUF files carry no `architectures`; their model_type says it.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
@@ -48,11 +53,18 @@ def get_model_class(hf_config: object) -> type[CausalLM]:
         ValueError: the architecture is not supported; the message lists those that are.
     """
     arch = architecture_of(hf_config)
+    arch = BASE_MODEL_ARCHITECTURES.get(arch, arch)
     if arch not in MODEL_REGISTRY:
         raise ValueError(
-            f"architecture {arch} is not supported; supported: {', '.join(sorted(MODEL_REGISTRY))}"
+            f"architecture {arch} is not supported; supported: {', '.join(sorted(MODEL_REGISTRY))} (and "
+            f"{', '.join(sorted(BASE_MODEL_ARCHITECTURES))}, without an LM head: embedding models)"
         )
     return MODEL_REGISTRY[arch]
+
+
+def has_lm_head_architecture(hf_config: object) -> bool:
+    """False for a bare decoder's architecture (``BASE_MODEL_ARCHITECTURES``: no LM head, embeddings only)."""
+    return architecture_of(hf_config) not in BASE_MODEL_ARCHITECTURES
 
 
 def quantizable_architectures() -> list[str]:
@@ -75,6 +87,6 @@ def validate_model_config(hf_config: object, where: str, field_names: dict[str, 
             _BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
     else:
         arch = architecture_of(hf_config)
-    cls = MODEL_REGISTRY.get(arch) if isinstance(arch, str) else None
+    cls = MODEL_REGISTRY.get(BASE_MODEL_ARCHITECTURES.get(arch, arch)) if isinstance(arch, str) else None
     if cls is not None:
         cls.validate_config(hf_config, where, field_names)

@@ -84,6 +84,10 @@ def add_engine_args(p: argparse.ArgumentParser, kv_cache_dtype: str | None = "au
                         "suffix_decoding_min_token_prob); num_speculative_tokens 1-16 for both. Greedy output is "
                         "unchanged; the engine drafts only while its measured step times say it is faster "
                         "(default: off)")
+    p.add_argument("--runner", choices=("auto", "generate", "pooling"), default="auto",
+                   help="generate (text) or pooling (an embedding model: /v1/embeddings, LLM.embed; it generates "
+                        "nothing). auto: pooling when the model says it is one (a sentence-transformers "
+                        "modules.json with a Pooling module, or no LM head), else generate")
 
 
 def _threads(value: str) -> int | str:
@@ -116,6 +120,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_lowbit": getattr(args, "cpu_lowbit", None),
         "cpu_w4": getattr(args, "cpu_w4", None),
         "speculative_config": getattr(args, "speculative_config", None),
+        "runner": getattr(args, "runner", "auto"),
         "load_format": "dummy" if getattr(args, "dummy_weights", False) else "auto",
         "quantization": getattr(args, "quantization", None),
     }

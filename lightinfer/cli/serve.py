@@ -128,6 +128,10 @@ def run_serve(args: argparse.Namespace) -> int:
     config = EngineConfig(model=args.model, max_waiting=args.max_waiting, **engine_kwargs(args))
     print(f"lightinfer: loading {args.model} (KV cache {args.kv_cache_dtype}) ...", flush=True)
     engine = AsyncLLMEngine.from_config(config)  # loads on the thread that will step it (see from_config)
+    if engine.model_info().get("runner") == "pooling" and not args.no_ui:  # nothing to chat with
+        print("lightinfer: this is an embedding model (runner pooling): serving the API only, with "
+              "/v1/embeddings; the chat UI is not served", flush=True)
+        args.no_ui = True
     options = {"served_model_name": args.served_model_name, "api_key": args.api_key,
                "max_request_bytes": args.max_request_bytes, "tool_call_parser": args.tool_call_parser}
     if args.no_ui:

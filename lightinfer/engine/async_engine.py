@@ -419,7 +419,7 @@ class AsyncLLMEngine:
                 cmd.accepted.set_exception(exc if isinstance(exc, ValueError) else ValueError(str(exc)))
                 return
             params = cmd.prompt.sampling_params if isinstance(cmd.prompt, EngineRequest) else cmd.sampling_params
-            n = (params or SamplingParams()).n
+            n = getattr(params or SamplingParams(), "n", 1)  # PoolingParams (an embedding request): one output
             self._requests[cmd.request_id] = _Tracked(cmd.stream, time.monotonic(), num_tokens=[0] * n)
             cmd.accepted.set_result(None)
         elif isinstance(cmd, AbortRequest):
@@ -443,7 +443,8 @@ class AsyncLLMEngine:
             tracked = self._requests.get(out.request_id)
             if tracked is None:  # aborted meanwhile
                 continue
-            counts = [len(c.token_ids) for c in out.outputs]
+            # an embedding request's output (EmbeddingRequestOutput) has no tokens
+            counts = [len(c.token_ids) for c in out.outputs] if isinstance(out, RequestOutput) else []
             if sum(counts) > sum(tracked.num_tokens):
                 for obs in self._observers:
                     if tracked.last_token_time is None:
@@ -454,7 +455,8 @@ class AsyncLLMEngine:
                 tracked.num_tokens = counts
             if out.finished:
                 del self._requests[out.request_id]
-                reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "stop")
+                reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "stop") \
+                    if isinstance(out, RequestOutput) else "stop"
                 for obs in self._observers:
                     obs.on_finished(reason, now - tracked.arrival)
             batches.setdefault(tracked.stream.loop, []).append((tracked.stream, out))

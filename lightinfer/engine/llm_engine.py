@@ -27,11 +27,26 @@ from lightinfer.engine.spec.verify import DraftRows, Verified, verify_drafts
 from lightinfer.engine.step_inputs import select_rows
 from lightinfer.engine.structured_outputs import StructuredOutputManager
 from lightinfer.formats.scheme import describe_formats
-from lightinfer.inputs import EngineRequest, InputProcessor, PromptType
+from lightinfer.inputs import (
+    EngineRequest,
+    InputError,
+    InputProcessor,
+    PoolerConfig,
+    PoolingParams,
+    PromptType,
+)
+from lightinfer.inputs.pooling import EMBEDDINGS_REFUSED, GENERATION_REFUSED
+from lightinfer.layers.pooler import finish_embedding
 from lightinfer.layers.rope_scaling import rope_max_positions
 from lightinfer.layers.sampler import INVALID_TOKEN, Sampler, SamplingRow, has_penalties
 from lightinfer.loader import Checkpoint
-from lightinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from lightinfer.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from lightinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger("lightinfer")
@@ -53,13 +68,22 @@ def resolve_max_model_len(hf_config: object, requested: int | None) -> int:
 def resolve_config(config: EngineConfig, checkpoint: Checkpoint) -> EngineConfig:
     """``config`` resolved against the opened ``checkpoint`` (``EngineConfig.resolve``): its context
     (:func:`resolve_max_model_len`) and whether it is 4-/8-bit decide ``max_model_len`` and what ``dtype="auto"``
-    means on a CPU. The returned config is frozen; ``config`` is left as it is.
+    means on a CPU; whether it is an embedding model (``Checkpoint.pooling_reason``) what ``runner="auto"`` means.
+    The returned config is frozen; ``config`` is left as it is.
 
     Raises:
-        ValueError: ``max_model_len`` beyond the model's context, or an unknown RoPE type.
+        ValueError: ``max_model_len`` beyond the model's context, or an unknown RoPE type; ``runner="generate"``
+            for a checkpoint without an LM head.
     """
-    return config.resolve(model_max_len=rope_max_positions(checkpoint.hf_config),
-                          quantized=checkpoint.quant_config is not None)
+    reason = checkpoint.pooling_reason if config.runner != "generate" else None
+    if config.runner == "generate" and not checkpoint.has_lm_head:
+        raise ValueError(f"{checkpoint.name} has no LM head (an embedding model: {checkpoint.pooling_reason}); it "
+                         f"cannot generate text: start it with runner='pooling' (CLI: --runner pooling)")
+    resolved = config.resolve(model_max_len=rope_max_positions(checkpoint.hf_config),
+                              quantized=checkpoint.quant_config is not None, pooling_model=reason is not None)
+    if config.runner == "auto" and reason is not None:
+        logger.info("%s is an embedding model (%s): a pooling engine (embeddings only)", checkpoint.name, reason)
+    return resolved
 
 
 @dataclass
@@ -98,10 +122,22 @@ class Request:
     generators: list[torch.Generator | None] = field(default_factory=list)
     outputs: list[CompletionOutput] = field(default_factory=list)
     forked: bool = False
+    pooling: PoolingState | None = None  # an embedding request's progress (pooling engines)
 
     @property
     def finished(self) -> bool:
         return all(o.finished for o in self.outputs)
+
+
+@dataclass
+class PoolingState:
+    """Engine-side state of one embedding request: its settings, the sum of its pooled parts so far (chunked
+    prefill: ``layers/pooler.py``) and, once its prompt is prefilled, its vector."""
+
+    params: PoolingParams
+    dimensions: int
+    total: torch.Tensor | None = None
+    embedding: torch.Tensor | None = None
 
 
 def check_quant_config(qc: dict | None, hf_config: object) -> None:
@@ -163,11 +199,17 @@ class LLMEngine:
             self.tokenizer = None
         self.eos_token_ids = self.checkpoint.eos_token_ids(self.tokenizer)
         self.vocab_size = int(hf_config.vocab_size)
+        # a pooling engine's rules (sentence-transformers files, else last token + normalised); None: generative
+        self.pooler_config: PoolerConfig | None = self.checkpoint.pooler_config() if config.runner == "pooling" \
+            else None
+        if self.pooler_config is not None:
+            logger.info("pooling engine (embeddings): %s", self.pooler_config.describe())
         # constrained decoding: the grammar backend is built at the first constrained request
         self.structured = StructuredOutputManager(self.tokenizer, self.eos_token_ids,
                                                   overlap=config.torch_device.type == "cuda")
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, int(config.max_model_len),
-                                              grammar_backend=self.structured.get_backend)
+                                              grammar_backend=self.structured.get_backend,
+                                              pooler_config=self.pooler_config)
         self.model_runner = ModelRunner(config, self.checkpoint, progress)
         self.block_manager = BlockManager(self.model_runner.group_num_blocks, config.block_size,
                                           config.enable_prefix_caching, self.model_runner.kv_windows)
@@ -189,8 +231,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(
-        self, request_id: str, prompt: PromptType | EngineRequest, sampling_params: SamplingParams | None = None,
-        arrival_time: float | None = None,
+        self, request_id: str, prompt: PromptType | EngineRequest,
+        sampling_params: SamplingParams | PoolingParams | None = None, arrival_time: float | None = None,
     ) -> None:
         """Queue a request; it joins the running batch at the next step with room.
 
@@ -200,10 +242,12 @@ class LLMEngine:
                 taken as it is; or a plain prompt (text, ids, vLLM's prompt dicts), which goes through
                 this engine's ``input_processor`` first.
             sampling_params: for a plain prompt (default ``SamplingParams()``); an EngineRequest carries its own.
+                A :class:`PoolingParams` makes the plain prompt an embedding request (a pooling engine's; as vLLM).
             arrival_time: ``time.monotonic()`` of arrival (default: now).
         Raises:
             ValueError: a duplicate ``request_id``, a bad prompt or setting (see
-                :meth:`InputProcessor.process`); nothing is queued then.
+                :meth:`InputProcessor.process`); a generation request to a pooling engine or an embedding
+                request to a generative one (:class:`InputError`, param ``model``); nothing is queued then.
         """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -211,9 +255,18 @@ class LLMEngine:
             if sampling_params is not None and sampling_params is not prompt.sampling_params:
                 raise ValueError("an EngineRequest carries its own sampling_params; pass None")
             request = prompt
+        elif isinstance(sampling_params, PoolingParams):
+            request = self.input_processor.process_embedding(prompt, sampling_params)
         else:
             request = self.input_processor.process(prompt, SamplingParams() if sampling_params is None else sampling_params)
+        if self.pooler_config is not None and request.pooling_params is None:
+            raise InputError(GENERATION_REFUSED, param="model")
+        if self.pooler_config is None and request.pooling_params is not None:
+            raise InputError(EMBEDDINGS_REFUSED, param="model")
         ids, p = request.prompt_token_ids, request.sampling_params
+        if request.pooling_params is not None:
+            self._add_embedding(request_id, request, arrival_time)
+            return
         seq = Sequence(request_id, ids, p, index=0)
         if p.structured_outputs is not None:  # a cache hit when the front end compiled it (off this thread)
             self.structured.add(seq, p.structured_outputs)
@@ -232,6 +285,21 @@ class LLMEngine:
         self.requests[request_id] = req
         self.scheduler.add(seq)
         self.stats.num_prompt_tokens += len(ids)
+
+    def _add_embedding(self, request_id: str, request: EngineRequest, arrival_time: float | None) -> None:
+        """Queue an embedding request: one sequence, prefilled (in chunks where the budget says), pooled, finished."""
+        assert self.pooler_config is not None and request.pooling_params is not None
+        dims = self.pooler_config.output_dimensions(request.pooling_params.dimensions)
+        if len(request.prompt_token_ids) > int(self.config.max_model_len):
+            raise InputError(f"the prompt has {len(request.prompt_token_ids)} tokens but max_model_len is "
+                             f"{self.config.max_model_len}", param="prompt", code="context_length_exceeded")
+        seq = Sequence(request_id, request.prompt_token_ids, request.sampling_params, index=0)
+        req = Request(request_id, request.prompt, request.prompt_token_ids, request.sampling_params,
+                      RequestMetrics(arrival_time or time.monotonic()), seqs=[seq], outputs=[CompletionOutput(0)],
+                      forked=True, pooling=PoolingState(request.pooling_params, dims))
+        self.requests[request_id] = req
+        self.scheduler.add(seq)
+        self.stats.num_prompt_tokens += len(request.prompt_token_ids)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks. Returns its final output (None if unknown)."""
@@ -272,6 +340,8 @@ class LLMEngine:
         for s in out.scheduled:
             m = self.requests[s.seq.request_id].metrics
             m.first_scheduled_time = m.first_scheduled_time or now
+        if self.pooler_config is not None:
+            return self._pooling_step(out, final_only)
         sampled = [s for s in out.scheduled if s.completes_prompt]
         # the logits have one row per sampled sequence, k + 1 for one that verifies k drafts
         first_row = list(itertools.accumulate((1 + len(s.draft_ids) for s in sampled), initial=0))
@@ -320,6 +390,39 @@ class LLMEngine:
             if r.finished:
                 del self.requests[r.request_id]
         return results
+
+    def _pooling_step(self, out: SchedulerOutput, final_only: bool) -> list[EmbeddingRequestOutput]:
+        """A pooling engine's step: run the scheduled prompt chunks, add what each pools (``layers/pooler.py``), and
+        finish each request whose prompt is now prefilled: its vector made, its KV blocks freed at once."""
+        cfg = self.pooler_config
+        assert cfg is not None
+        parts = self.model_runner.pool(out, cfg.pooling_type)
+        self.scheduler.postprocess(out)
+        touched: dict[str, Request] = {}
+        for s, part in zip(out.scheduled, parts):
+            seq = s.seq
+            req = self.requests[seq.request_id]
+            state = req.pooling
+            assert state is not None
+            if s.start == 0:  # the first chunk (again, after a preemption): start over
+                state.total = None
+            if part is not None:
+                state.total = part if state.total is None else state.total + part
+            if s.completes_prompt:
+                assert state.total is not None
+                state.embedding = finish_embedding(state.total, seq.num_prompt_tokens, cfg.pooling_type,
+                                                   state.dimensions, cfg.normalize)
+                self.scheduler.finish(seq, "stop")  # frees its KV blocks now
+                req.outputs[0].finish_reason = "stop"
+                req.metrics.finished_time = time.monotonic()
+            touched[req.request_id] = req
+        self.stats.last_batch_size = len(out.scheduled)
+        self.stats.max_batch_size = max(self.stats.max_batch_size, len(out.scheduled))
+        results = [self._make_output(r) for r in touched.values() if r.finished or not final_only]
+        for r in touched.values():
+            if r.finished:
+                del self.requests[r.request_id]
+        return results  # type: ignore[return-value]
 
     def _verify(self, logits: torch.Tensor, drafting: list[tuple[ScheduledSequence, int]]) -> list[Verified]:
         """Accept or reject the drafts of the sequences that verify (``engine/spec/verify.py``): each one's
@@ -447,7 +550,11 @@ class LLMEngine:
         self.structured.remove(seq)
         req.metrics.finished_time = time.monotonic()
 
-    def _make_output(self, req: Request) -> RequestOutput:
+    def _make_output(self, req: Request) -> RequestOutput | EmbeddingRequestOutput:
+        if req.pooling is not None:
+            vec = req.pooling.embedding if req.pooling.embedding is not None else torch.empty(0)
+            return EmbeddingRequestOutput(req.request_id, req.prompt, req.prompt_token_ids, EmbeddingOutput(vec),
+                                          req.finished, req.metrics)
         outputs = [CompletionOutput(o.index, o.text, list(o.token_ids), o.finish_reason,
                                     list(o.logprobs) if o.logprobs is not None else None,
                                     o.cumulative_logprob, o.stop_reason) for o in req.outputs]
@@ -511,6 +618,11 @@ class LLMEngine:
             "cpu_w4": self.config.cpu_w4,
             # speculative decoding: settings and counters so far (engine/spec/), None when off
             "speculative_decoding": None if self.speculator is None else self.speculator.info(),
+            # "generate", or "pooling": an embedding model (LLM.embed, /v1/embeddings), with how it pools
+            "runner": self.config.runner,
+            "pooling": None if self.pooler_config is None else {
+                "pooling_type": self.pooler_config.pooling_type, "normalize": self.pooler_config.normalize,
+                "hidden_size": self.pooler_config.hidden_size, "source": self.pooler_config.source},
         }
 
     def cpu_decode_replay(self) -> dict:
@@ -532,6 +644,8 @@ class LLMEngine:
         Raises:
             ValueError: bad length or ids; RuntimeError: requests are in flight.
         """
+        if self.pooler_config is not None:
+            raise ValueError(GENERATION_REFUSED)
         if self.requests:
             raise RuntimeError("prompt_logits() needs an idle engine; finish or abort the running requests first")
         if not (1 <= len(token_ids) <= int(self.config.max_model_len)):

@@ -24,6 +24,7 @@ from lightinfer.layers.embed_head import VocabEmbedding
 from lightinfer.layers.fusion import fuse_model
 from lightinfer.layers.linear import W4A16Linear, W8A16Linear
 from lightinfer.layers.moe import FusedMoE, experts_in_host_memory
+from lightinfer.layers.pooler import PoolSpan, pool_step
 from lightinfer.layers.weight_forms import weight_form
 from lightinfer.loader import Checkpoint, load_weights
 from lightinfer.models.registry import get_model_class
@@ -78,7 +79,11 @@ class ModelRunner:
                 self.group_num_blocks = self._num_blocks()
                 self._allocate_kv_cache()
             self.platform.prepare_steps(self)
-            replay = self.platform.graph_runner(self, progress)
+            if config.runner == "pooling":  # prefills only: nothing to replay
+                replay = None
+                self.cpu_replay_off = self.cpu_replay_off or "a pooling (embedding) engine runs no decode steps"
+            else:
+                replay = self.platform.graph_runner(self, progress)
         self.graph_runner: DecodeGraphRunner | None = replay if isinstance(replay, DecodeGraphRunner) else None
         self.cpu_graph_runner: CpuDecodeGraphRunner | None = \
             replay if isinstance(replay, CpuDecodeGraphRunner) else None
@@ -95,6 +100,8 @@ class ModelRunner:
         with progress.phase(f"building the model ({dtype} on {self.device})"), torch.device(self.device), \
                 experts_in_host_memory(self.host_expert_layers):
             self.model = model_cls(hf_config, checkpoint.quant_config, self.dtype)
+            if config.runner == "pooling":  # embeddings read the final hidden states: no LM head loaded or kept
+                self.model.drop_lm_head()
         # module -> how its weights were loaded ("W4 (GPTQ, g128)", "dense"...), for model_info()
         self.weight_formats: dict[str, str] = {}
         with progress.phase("loading the weights"):
@@ -267,7 +274,8 @@ class ModelRunner:
                                       no_cache=True))
         try:
             hidden = self.model(ids, pos)
-            torch.softmax(self.model.compute_logits(hidden[-min(n, cfg.max_num_seqs):]), dim=-1)
+            if self.model.has_lm_head:  # a pooling engine's model has none
+                torch.softmax(self.model.compute_logits(hidden[-min(n, cfg.max_num_seqs):]), dim=-1)
         finally:
             set_context(None)
 
@@ -311,17 +319,41 @@ class ModelRunner:
             elif self.cpu_graph_runner is not None and not all_logits and self.cpu_graph_runner.can_run(step):
                 hidden = self.cpu_graph_runner.run(step)
             else:
-                positions = self._upload(step)
-                if self.host_embedding is not None:  # gather on the host from the step's ids
-                    hidden = self.model(None, positions, self.host_embedding.lookup(step.input_ids, self.device))
-                else:
-                    hidden = self.model(torch.tensor(step.input_ids, dtype=torch.long, device=self.device), positions)
+                hidden = self._forward_eager(step)
             if all_logits:
                 rows = self.config.max_num_seqs
                 logits_idx = torch.tensor(step.logits_idx, dtype=torch.long, device=self.device)
                 return torch.cat([self.model.compute_logits(hidden[logits_idx[i: i + rows]]).cpu()
                                   for i in range(0, len(step.logits_idx), rows)])
             return self.model.compute_logits(select_rows(hidden, step.logits_idx))
+        finally:
+            set_context(None)
+
+    def _forward_eager(self, step: StepInputs) -> torch.Tensor:
+        """One eager forward of ``step`` (its attention context set here): final hidden states ``[rows, hidden]``."""
+        positions = self._upload(step)
+        if self.host_embedding is not None:  # gather on the host from the step's ids
+            return self.model(None, positions, self.host_embedding.lookup(step.input_ids, self.device))
+        return self.model(torch.tensor(step.input_ids, dtype=torch.long, device=self.device), positions)
+
+    @torch.inference_mode()
+    def pool(self, out: SchedulerOutput, pooling_type: str) -> list[torch.Tensor | None]:
+        """Run one step of a pooling engine (eagerly; no LM head) and pool its final hidden states
+        (``layers/pooler.pool_step``).
+
+        Returns:
+            per scheduled sequence (``out.scheduled`` order), what its rows add to its vector: fp32 ``[hidden]``
+            on the device, or None (LAST before the prompt's last chunk, CLS after its first).
+        """
+        if self.cpu_threads is not None:
+            self.cpu_threads.before_step()
+        self.copy_blocks(out.block_copies)
+        step = build_step_inputs(out, False, self.config.block_size, len(self.kv_groups))
+        try:
+            hidden = self._forward_eager(step)
+            spans = [PoolSpan(first, end, s.start == 0, s.completes_prompt)
+                     for s, (first, end) in zip(out.scheduled, step.seq_rows)]
+            return pool_step(hidden, spans, pooling_type)
         finally:
             set_context(None)
 

@@ -50,6 +50,7 @@ class StepInputs:
         cu_seqlens_q: ``[num_prefills + 1]`` offsets of the prefill chunks, from the first prefill token.
         num_decodes: rows (= tokens) at the front that are decodes: one per decoding sequence, plus its drafts.
         logits_idx: token rows whose logits are returned, in ``out.scheduled`` order.
+        seq_rows: ``(first, end)`` token rows of each scheduled sequence, in ``out.scheduled`` order (pooling).
         other_groups: KV-cache groups 1.. (module docstring); the fields above are group 0's.
     """
 
@@ -61,6 +62,7 @@ class StepInputs:
     cu_seqlens_q: list[int] = field(default_factory=lambda: [0])
     num_decodes: int = 0
     logits_idx: list[int] = field(default_factory=list)
+    seq_rows: list[tuple[int, int]] = field(default_factory=list)
     other_groups: list[GroupStepInputs] = field(default_factory=list)
 
     @property
@@ -104,6 +106,7 @@ def build_step_inputs(out: SchedulerOutput, all_logits: bool, block_size: int, n
             group.block_tables += [gtable] * rows
         if i >= nd:
             step.cu_seqlens_q.append(step.cu_seqlens_q[-1] + s.num_new_tokens)
+    step.seq_rows = [token_range[i] for i in range(len(out.scheduled))]
     for i, s in enumerate(out.scheduled):
         first, end = token_range[i]
         if all_logits:

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lightinfer.entrypoints import openai_responses as R
 from lightinfer.entrypoints import protocol as P
 from lightinfer.entrypoints.anthropic_api import register_anthropic_routes
+from lightinfer.entrypoints.embeddings_api import register_embeddings_routes
 from lightinfer.entrypoints.openai_errors import OpenAIError, error_response, validation_error_response
 from lightinfer.entrypoints.openai_serving import SSE_HEADERS, run_until_disconnect
 from lightinfer.entrypoints.served_models import ServedModels, check_model_name, unknown_model_error
@@ -127,7 +128,7 @@ def unknown_route_error(app: FastAPI, request: Request, exc: StarletteHTTPExcept
 
 
 # paths of other APIs that clients of this server may try, named in the 404 (an agent's client pointed here)
-OTHER_APIS = {"/responses": "The OpenAI Responses API", "/embeddings": "The embeddings API"}
+OTHER_APIS = {"/responses": "The OpenAI Responses API"}
 
 
 def create_openai_app(models: ServedModels, api_key: str | None = None) -> FastAPI:
@@ -163,5 +164,6 @@ def create_openai_app(models: ServedModels, api_key: str | None = None) -> FastA
         return error_response(OpenAIError(exc.status_code, detail))
 
     _register_routes(app, models)
+    register_embeddings_routes(app, models)  # /embeddings (pooling models: lightinfer/entrypoints/embeddings_api.py)
     register_anthropic_routes(app, models)  # /messages, /messages/count_tokens; their errors in Anthropic's shape
     return app

@@ -200,7 +200,7 @@ def load_gguf_weights(model: nn.Module, gf: GGUFFile, fractional_zeros_ok: bool 
         loaded.add(name)
         if isinstance(module, (Linear, VocabEmbedding, LMHead)):
             report[module_name] = fmt.describe() if fmt.kind == "dense" else f"dense ({fmt.source})"
-    if tied and "lm_head" not in report and "model.embed_tokens" in report:
+    if tied and "lm_head" not in report and "model.embed_tokens" in report and getattr(model, "lm_head", None) is not None:
         report["lm_head"] = f"tied to embed_tokens: {report['model.embed_tokens']}"
     missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")]
     missing += [f"{m}.{p}{STACKED_SUFFIX}" for m, mod in model.named_modules() if isinstance(mod, FusedMoE)
@@ -266,7 +266,7 @@ def _swap_table(model: nn.Module, module_name: str, module: nn.Module, gf: GGUFF
     if isinstance(module, VocabEmbedding):
         _replace(model, module_name, QuantizedVocabEmbedding(table, dtype))
         report[module_name] = text
-        if tied:
+        if tied and getattr(model, "lm_head", None) is not None:  # a pooling engine's model has no head
             model.lm_head = QuantizedLMHead(table)
             report["lm_head"] = f"tied to embed_tokens: {text}"
     else:

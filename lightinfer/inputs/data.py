@@ -34,6 +34,19 @@ class TokenizedPrompt:
     prompt_token_ids: list[int]
 
 
+@dataclass
+class PoolingParams:
+    """The settings of one embedding request (vLLM's name; ``lightinfer/inputs/pooling.py``).
+
+    Attributes:
+        dimensions: keep the first ``dimensions`` values of the vector, then normalise again where the model
+            normalises (Matryoshka truncation; ``PoolerConfig.output_dimensions`` says which sizes a model
+            takes); None: the model's full size (or its sentence-transformers ``truncate_dim``).
+    """
+
+    dimensions: int | None = None
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     """One request ready for the engine: ids checked against the vocabulary and the context, settings
@@ -43,12 +56,16 @@ class EngineRequest:
     Attributes:
         prompt: the prompt text (for outputs).
         prompt_token_ids: 1..``max_model_len - 1`` ids, each in ``[0, vocab_size)``.
-        sampling_params: validated settings.
+        sampling_params: validated settings (an embedding request's are unused: ``SamplingParams(max_tokens=1)``).
+        pooling_params: set on an embedding request (``InputProcessor.process_embedding``): the prompt is
+            prefilled and pooled into one vector, no token is sampled; its prompt may then be ``max_model_len``
+            ids long. None: a generation request.
     """
 
     prompt: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    pooling_params: PoolingParams | None = None
 
 
 # A prompt as callers give it: text, token ids, vLLM's dicts ({"prompt": text} or

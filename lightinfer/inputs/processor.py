@@ -13,7 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from lightinfer.inputs.chat import Message, render_chat
-from lightinfer.inputs.data import EngineRequest, InputError, PromptType, TokenizedPrompt
+from lightinfer.inputs.data import EngineRequest, InputError, PoolingParams, PromptType, TokenizedPrompt
+from lightinfer.inputs.pooling import EMBEDDINGS_REFUSED, GENERATION_REFUSED, PoolerConfig
 from lightinfer.inputs.text import check_text, longest_token_chars
 from lightinfer.inputs.tools import ToolCalling, reasoning_mode
 from lightinfer.sampling_params import SamplingParams
@@ -35,6 +36,9 @@ class InputProcessor:
             matchers copy from; None: constraints are checked but compiled by the engine.
         tool_call_parser: the tool-call format to use whatever the chat template shows (a
             ``--tool-call-parser`` name); None: detected from the template.
+        pooler_config: set for a pooling (embedding) engine: how it pools; embedding requests
+            (:meth:`process_embedding`) are then taken and generation requests refused. None: a generative
+            engine, which refuses embedding requests.
     Raises:
         ValueError: an unknown ``tool_call_parser``.
     """
@@ -43,8 +47,9 @@ class InputProcessor:
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int,
                  grammar_backend: Callable[[], GrammarBackend] | None = None,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, pooler_config: PoolerConfig | None = None) -> None:
         self.tokenizer = tokenizer
+        self.pooler_config = pooler_config
         self.vocab_size = int(vocab_size)
         self.max_model_len = int(max_model_len)
         self.grammar_backend = grammar_backend
@@ -58,7 +63,7 @@ class InputProcessor:
         """A processor with its own copy of the tokenizer, for use on another thread (sharing the grammar
         backend); ``tool_call_parser`` overrides this one's."""
         other = InputProcessor(copy.deepcopy(self.tokenizer), self.vocab_size, self.max_model_len,
-                               self.grammar_backend, tool_call_parser or self.tool_call_parser)
+                               self.grammar_backend, tool_call_parser or self.tool_call_parser, self.pooler_config)
         other._max_token_chars = self.max_token_chars
         return other
 
@@ -222,8 +227,10 @@ class InputProcessor:
             (the tools are then left out of the prompt: the model is not to call them).
         Raises:
             InputError: naming the field (``tools[1].type``, ``tool_choice.function.name``,
-                ``messages[3].tool_call_id``, ``tools[0].function.parameters`` ...), or see :meth:`render_chat`.
+                ``messages[3].tool_call_id``, ``tools[0].function.parameters`` ...), or see :meth:`render_chat`;
+                param ``model`` from a pooling engine (:meth:`check_generates`).
         """
+        self.check_generates()
         try:
             specs = parse_tools(tools)
             choice = parse_tool_choice(tool_choice, specs)
@@ -279,11 +286,67 @@ class InputProcessor:
         tokenized and checked (:meth:`tokenize`, :meth:`check_length`).
 
         Raises:
-            ValueError: see those; nothing is queued anywhere.
+            ValueError: see those; nothing is queued anywhere. InputError (param ``model``) from a pooling
+                engine (:meth:`check_generates`).
         """
+        self.check_generates()
         self.check_params(params)
         tokenized = self.check_length(self.tokenize(prompt))
         return EngineRequest(tokenized.prompt, tokenized.prompt_token_ids, params)
+
+
+    # ------------------------------------------------------------------ embeddings
+    def check_generates(self) -> None:
+        """Refuse generation on a pooling engine.
+
+        Raises:
+            InputError: param ``model``, "this model serves embeddings: use /v1/embeddings ..."."""
+        if self.pooler_config is not None:
+            raise InputError(GENERATION_REFUSED, param="model")
+
+    def check_embeds(self) -> None:
+        """Refuse embeddings on a generative engine.
+
+        Raises:
+            InputError: param ``model``, saying how to start the model for embeddings."""
+        if self.pooler_config is None:
+            raise InputError(EMBEDDINGS_REFUSED, param="model")
+
+    def process_embedding(self, prompt: PromptType, params: PoolingParams | None = None,
+                          param: str = "prompt") -> EngineRequest:
+        """One embedding request: the prompt tokenized (:meth:`tokenize`; text gets the tokenizer's special
+        tokens, as sentence-transformers encodes it) and checked, ``params.dimensions`` checked against the
+        model (:meth:`PoolerConfig.output_dimensions`). The prompt may fill the whole context
+        (``max_model_len`` ids): nothing is generated after it.
+
+        Args:
+            prompt: text, token ids, vLLM's prompt dicts or a :class:`TokenizedPrompt`.
+            params: the request's settings (default ``PoolingParams()``).
+            param: the request field that holds the prompt, named in errors (the API's ``input``).
+        Returns:
+            an :class:`EngineRequest` with ``pooling_params`` set.
+        Raises:
+            InputError / ValueError: a generative engine (:meth:`check_embeds`), an empty or unreadable prompt,
+                ids outside the vocabulary, a prompt longer than ``max_model_len`` (code
+                ``context_length_exceeded``, naming ``param``), bad ``dimensions`` (naming ``dimensions``).
+        """
+        self.check_embeds()
+        params = PoolingParams() if params is None else params
+        if not isinstance(params, PoolingParams):
+            raise ValueError(  # noqa: TRY004 - every bad input is a ValueError here
+                f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+        assert self.pooler_config is not None
+        self.pooler_config.output_dimensions(params.dimensions)
+        try:
+            tokenized = self.tokenize(prompt)
+        except ValueError as exc:  # the field as the caller names it (the API's ``input``)
+            raise InputError(str(exc).replace("'prompt'", f"'{param}'"), param=param,
+                             code=getattr(exc, "code", None)) from None
+        n = len(tokenized.prompt_token_ids)
+        if n > self.max_model_len:
+            raise InputError(f"'{param}' has {n} tokens but this model's maximum context length is "
+                             f"{self.max_model_len} tokens: shorten it", param=param, code="context_length_exceeded")
+        return EngineRequest(tokenized.prompt, tokenized.prompt_token_ids, SamplingParams(max_tokens=1), params)
 
 
 def _content_chars(content: Any) -> int:
