@@ -26,6 +26,7 @@ from lightinfer.entrypoints.anthropic_api import register_anthropic_routes
 from lightinfer.entrypoints.embeddings_api import register_embeddings_routes
 from lightinfer.entrypoints.openai_errors import OpenAIError, error_response, validation_error_response
 from lightinfer.entrypoints.openai_serving import SSE_HEADERS, run_until_disconnect
+from lightinfer.entrypoints.responses_api import register_responses_routes
 from lightinfer.entrypoints.served_models import ServedModels, check_model_name, unknown_model_error
 
 logger = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ def unknown_route_error(app: FastAPI, request: Request, exc: StarletteHTTPExcept
 
 
 # paths of other APIs that clients of this server may try, named in the 404 (an agent's client pointed here)
-OTHER_APIS = {"/responses": "The OpenAI Responses API"}
+OTHER_APIS: dict[str, str] = {}
 
 
 def create_openai_app(models: ServedModels, api_key: str | None = None) -> FastAPI:
@@ -165,5 +166,6 @@ def create_openai_app(models: ServedModels, api_key: str | None = None) -> FastA
 
     _register_routes(app, models)
     register_embeddings_routes(app, models)  # /embeddings (pooling models: lightinfer/entrypoints/embeddings_api.py)
+    register_responses_routes(app, models)  # /responses (stateless), through the chat machinery
     register_anthropic_routes(app, models)  # /messages, /messages/count_tokens; their errors in Anthropic's shape
     return app

@@ -73,18 +73,11 @@ def test_a_v1_route_with_the_wrong_method_says_which_one(fake_server: LiveServer
     assert _error(r)["message"] == "Invalid method for URL (GET /v1/chat/completions): use POST"
 
 
-@pytest.mark.parametrize("path, api", [("/v1/responses", "OpenAI Responses API")])
-def test_another_apis_route_is_named_in_the_404(fake_server: LiveServer, path: str, api: str) -> None:
-    """An agent's client pointed here (Codex's /v1/responses) learns which API it spoke and that this server does
-    not serve it."""
-    r = httpx.post(f"{fake_server.url}{path}", json={}, headers={"Authorization": "Bearer test-key"}, timeout=10)
-    assert r.status_code == 404
-    assert f"The {api} is not served here: use /v1/chat/completions." in _error(r)["message"]
-
-
-def test_the_anthropic_api_is_served(fake_server: LiveServer) -> None:
-    """Claude Code's /v1/messages is served (tests/serving/test_anthropic_api.py): a body without fields is the
-    Messages API's 400, in Anthropic's error shape, not a 404."""
+def test_the_agents_apis_are_served(fake_server: LiveServer) -> None:
+    """An agent's client pointed here finds its API (Claude Code's /v1/messages: tests/serving/test_anthropic_api.py;
+    Codex's /v1/responses: tests/serving/test_responses_api.py): a body without fields is that API's 400, not a 404."""
     r = httpx.post(f"{fake_server.url}/v1/messages", json={}, headers={"x-api-key": "test-key"}, timeout=10)
-    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert r.status_code == 400 and r.json()["type"] == "error"  # Anthropic's error shape
     assert "messages" in r.json()["error"]["message"]
+    r = httpx.post(f"{fake_server.url}/v1/responses", json={}, headers={"Authorization": "Bearer test-key"}, timeout=10)
+    assert r.status_code == 400 and _error(r)["param"] == "model"  # OpenAI's error shape
