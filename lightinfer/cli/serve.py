@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from lightinfer.cli.common import add_engine_args, add_parser, engine_kwargs
 from lightinfer.entrypoints.http_limits import HTTPLimits
@@ -47,8 +48,9 @@ def _add_server_args(p: argparse.ArgumentParser, kv_default: str | None) -> None
                         "its own login (default: $LIGHTINFER_API_KEY, else none: open to whoever reaches the port)")
     p.add_argument("--ui-auth", default=None, metavar="USER:PASS",
                    help="the chat UI's own login (default: the API key's login with --api-key, else no login)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name the API answers to (default: the model's folder or file name)")
+    p.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
+                   help="the model name the API answers to (default: the model's folder or file name); with "
+                        "several models, one name per model, in the order given")
     p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="larger request bodies get HTTP 413 (default: 4194304, 4 MiB)")
     p.add_argument("--no-ui", action="store_true", help="serve the API only")
     p.add_argument("--tool-call-parser", default=None, metavar="NAME",
@@ -77,8 +79,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        "gives it a login of its own); without it everything is open to whoever reaches --host "
                        "(127.0.0.1: this machine only). Uploads are off. The start-up banner says what is open "
                        "to whom.")
-    serve.add_argument("model", help="Hugging Face folder, .gguf file or smollm2-135m-instruct")
+    serve.add_argument("model", nargs="*",
+                       help="Hugging Face folder, .gguf file or smollm2-135m-instruct; several serve each under its "
+                            "name, loaded when a request names it")
     _add_server_args(serve, kv_default="auto")
+    many = serve.add_argument_group("many models (several MODELs or --models-dir)")
+    many.add_argument("--models-dir", default=None, metavar="DIR",
+                      help="serve every model in DIR (sub-folders with a config.json, .gguf files), each under its "
+                           "folder or file name, beside any MODEL given")
+    many.add_argument("--max-loaded-models", type=int, default=None, metavar="N",
+                      help="most models loaded at once (default: as many as the memory budget holds); to load "
+                           "another the least recently used one without requests is unloaded")
+    many.add_argument("--idle-unload", default=None, metavar="TIME",
+                      help="unload a model after this long without requests: 90s, 10m, 1h (default: never)")
+    many.add_argument("--pin", action="append", default=[], metavar="NAME",
+                      help="keep this model loaded from start-up on (never unloaded); may be repeated")
     serve.set_defaults(func=run_serve)
 
     demo = add_parser(subparsers, "demo", "serve the embedded SmolLM2 (4-bit from its GGUF) with the chat UI",
@@ -125,24 +140,31 @@ def run_serve(args: argparse.Namespace) -> int:
     from lightinfer.engine.async_engine import AsyncLLMEngine
     from lightinfer.entrypoints.server import build_api_app, run_server
 
-    config = EngineConfig(model=args.model, max_waiting=args.max_waiting, **engine_kwargs(args))
-    print(f"lightinfer: loading {args.model} (KV cache {args.kv_cache_dtype}) ...", flush=True)
-    engine = AsyncLLMEngine.from_config(config)  # loads on the thread that will step it (see from_config)
-    if engine.model_info().get("runner") == "pooling" and not args.no_ui:  # nothing to chat with
-        print("lightinfer: this is an embedding model (runner pooling): serving the API only, with "
-              "/v1/embeddings; the chat UI is not served", flush=True)
-        args.no_ui = True
-    options = {"served_model_name": args.served_model_name, "api_key": args.api_key,
-               "max_request_bytes": args.max_request_bytes, "tool_call_parser": args.tool_call_parser}
+    pool = model_pool(args)
+    options = {"api_key": args.api_key, "max_request_bytes": args.max_request_bytes,
+               "tool_call_parser": args.tool_call_parser}
+    if pool is None:
+        config = EngineConfig(model=args.model[0], max_waiting=args.max_waiting, **engine_kwargs(args))
+        print(f"lightinfer: loading {args.model[0]} (KV cache {args.kv_cache_dtype}) ...", flush=True)
+        engine = AsyncLLMEngine.from_config(config)  # loads on the thread that will step it (see from_config)
+        if engine.model_info().get("runner") == "pooling" and not args.no_ui:  # nothing to chat with
+            print("lightinfer: this is an embedding model (runner pooling): serving the API only, with "
+                  "/v1/embeddings; the chat UI is not served", flush=True)
+            args.no_ui = True
+        served = {"engine": engine, "served_model_name": (args.served_model_name or [None])[0]}
+        what = engine.model_info()["model"]
+    else:
+        served = {"models": pool}
+        what = f"{len(pool.names())} models, each loaded when a request names it: {', '.join(pool.names())}"
     if args.no_ui:
-        app = build_api_app(engine, **options)
+        app = build_api_app(**served, **options)
     else:
         from lightinfer.webui.server import build_app
 
-        app = build_app(engine, ui_auth=ui_auth, **options)
+        app = build_app(**served, ui_auth=ui_auth, **options)
     shown = f"[{args.host}]" if ":" in args.host else args.host
     ui_line = "" if args.no_ui else f"  chat UI:     http://{shown}:{args.port}/\n"
-    print(f"\nlightinfer is serving {engine.model_info()['model']}\n{ui_line}"
+    print(f"\nlightinfer is serving {what}\n{ui_line}"
           f"  OpenAI API:  http://{shown}:{args.port}/v1   (docs: /docs, metrics: /metrics, stats: /stats, "
           f"health: /health)\n"
           + access_summary(args.host, args.api_key is not None, ui_auth, args.no_ui)
@@ -152,6 +174,84 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of ``90``, ``90s``, ``10m``, ``1h`` or ``1.5h``.
+
+    Raises:
+        ValueError: anything else, or a time that is not positive.
+    """
+    units = {"s": 1.0, "m": 60.0, "h": 3600.0}
+    value = text.strip().lower()
+    factor = units.get(value[-1:], None)
+    try:
+        seconds = float(value[:-1] if factor else value) * (factor or 1.0)
+    except ValueError:
+        raise ValueError(f"--idle-unload {text!r} is not a time: write e.g. 90s, 10m or 1h") from None
+    if not seconds > 0:
+        raise ValueError(f"--idle-unload must be a positive time, got {text!r}")
+    return seconds
+
+
+def model_pool(args: argparse.Namespace) -> Any:
+    """The :class:`~lightinfer.entrypoints.model_pool.ModelPool` of a ``serve`` with several models or
+    ``--models-dir``; None for one model without it (the one-model server, loaded at start-up).
+
+    Raises:
+        ValueError: no model at all; many-model flags with one model; names that do not match the models.
+    """
+    for flag, default in (("models_dir", None), ("max_loaded_models", None), ("idle_unload", None), ("pin", [])):
+        if not hasattr(args, flag):  # `demo` serves one model and has none of these flags
+            setattr(args, flag, default)
+    models = list(args.model)
+    if not models and not args.models_dir:
+        raise ValueError("name a model to serve (a Hugging Face folder, a .gguf file or smollm2-135m-instruct), "
+                         "several, or --models-dir DIR")
+    names = args.served_model_name or []
+    if len(models) == 1 and not args.models_dir:
+        extra = [f for f, v in (("--max-loaded-models", args.max_loaded_models), ("--idle-unload", args.idle_unload),
+                                ("--pin", args.pin)) if v]
+        if extra:
+            raise ValueError(f"{', '.join(extra)} apply to several models: name more than one MODEL or use "
+                             "--models-dir")
+        if len(names) > 1:
+            raise ValueError(f"--served-model-name got {len(names)} names for one model")
+        return None
+    from lightinfer.config import EngineConfig
+    from lightinfer.entrypoints.model_pool import (
+        ModelPool,
+        default_memory_budget,
+        model_entry,
+        scan_models_dir,
+    )
+
+    if names and len(names) != len(models):
+        raise ValueError(f"--served-model-name got {len(names)} name(s) for {len(models)} MODEL(s): give one per "
+                         "model, in the same order (models found by --models-dir keep their own names)")
+    entries = [model_entry(m, n) for m, n in zip(models, names or [None] * len(models))]
+    if args.models_dir:
+        entries += scan_models_dir(args.models_dir)
+    known = {e.name for e in entries}
+    for name in args.pin:
+        if name not in known:
+            raise ValueError(f"--pin {name}: no such model; the models are {', '.join(sorted(known))}")
+    for e in entries:
+        e.pinned = e.name in args.pin
+    kwargs = engine_kwargs(args)
+    config = EngineConfig(model=entries[0].source, max_waiting=args.max_waiting, **kwargs)
+    if config.torch_device.type == "cuda" and kwargs.get("kv_cache_memory_bytes") is None:
+        # On a GPU each engine would take gpu_memory_utilization of the card for its KV pool, leaving nothing
+        # to the next model: each gets a tenth of the card unless --kv-cache-memory says otherwise.
+        import torch
+
+        share = torch.cuda.get_device_properties(config.torch_device).total_memory // 10
+        config = EngineConfig(model=entries[0].source, max_waiting=args.max_waiting,
+                              **{**kwargs, "kv_cache_memory_bytes": share})
+    return ModelPool(entries, config, max_loaded=args.max_loaded_models,
+                     memory_budget_bytes=default_memory_budget(config.device),
+                     idle_unload_s=parse_duration(args.idle_unload) if args.idle_unload else None,
+                     tool_call_parser=args.tool_call_parser)
 
 
 def access_summary(host: str, has_api_key: bool, ui_auth: tuple[str, str] | None, no_ui: bool) -> str:
@@ -247,5 +347,5 @@ def run_demo(args: argparse.Namespace) -> int:
         args.kv_cache_dtype = "int8" if torch.cuda.is_available() and args.device != "cpu" else "auto"
     check_port_free(args.host, args.port)  # before minutes of installing or quantizing
     ensure_embedded_model()
-    args.model = str(ensure_quantized(args.requantize)) if args.awq or args.requantize else EMBEDDED_MODEL
+    args.model = [str(ensure_quantized(args.requantize)) if args.awq or args.requantize else EMBEDDED_MODEL]
     return run_serve(args)

@@ -291,6 +291,14 @@ class AsyncLLMEngine:
         """The newest ``EngineStats`` snapshot (taken on the engine thread after each step/command)."""
         return self._stats
 
+    @property
+    def num_unfinished(self) -> int:
+        """Requests submitted and not yet ended (any thread): those waiting to be handed to the engine and those
+        it holds. Never too low: a request enters the engine thread's table before it leaves the pending count,
+        so for a moment it may count twice."""
+        with self._pending_lock:
+            return self._num_pending + len(self._requests)
+
     def new_request_id(self, prefix: str = "req") -> str:
         """A process-unique request id."""
         return f"{prefix}-{next(self._ids)}-{time.monotonic_ns() % 10**9}"
