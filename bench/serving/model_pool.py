@@ -5,10 +5,11 @@ One process: a many-model server (``entrypoints/model_pool.py``, built as ``ligh
 free 127.0.0.1 port serving the embedded SmolLM2 under two names, ``a`` and ``b`` (two engines of the same GGUF),
 and the ``openai`` client. Measured in the same run:
 
-* **start-up**: the model loaded alone (``AsyncLLMEngine.from_config``, then shut down; the second of two loads)
-  against the time from a request for the unloaded ``b`` to its first token (the load plus one prefill);
-* **an idle neighbour**: ``a``'s one-user decode speed with ``b`` unloaded and with ``b`` loaded but idle,
-  alternating ``--rounds`` times (medians);
+* **start-up**: the model started alone as ``lightinfer serve`` starts it before it answers (``AsyncLLMEngine.from_config``
+  and the API's request preparation; the second of two) against the time from a request for the unloaded ``b`` to
+  its first token (the load plus one prefill);
+* **an idle neighbour**: ``a``'s one-user decode speed with ``b`` unloaded and with ``b`` loaded but idle (its
+  engine thread parked, as after ``PARK_AFTER_S`` without requests), alternating ``--rounds`` times (medians);
 * **memory**: the process's RSS before ``b`` is loaded, while loaded, and after ``POST /models/unload``.
 
 Writes ``bench/results/model_pool.json``.
@@ -63,7 +64,8 @@ def stream(client: openai.OpenAI, model: str, max_tokens: int) -> dict[str, floa
 def main() -> int:
     from lightinfer.config import EngineConfig
     from lightinfer.engine.async_engine import AsyncLLMEngine
-    from lightinfer.entrypoints.model_pool import ModelPool, model_entry, release_memory
+    from lightinfer.entrypoints.model_pool import PARK_AFTER_S, ModelPool, model_entry, release_memory
+    from lightinfer.entrypoints.openai_serving import OpenAIServing
     from lightinfer.entrypoints.server import build_api_app
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -73,10 +75,12 @@ def main() -> int:
     args = ap.parse_args()
     config = EngineConfig(model=MODEL, device="cpu", max_model_len=1024)
 
-    # the start-up time alone: the second of two loads (the first builds the C ops' cache and imports)
+    # the start-up time alone, as `lightinfer serve` starts before it answers (the engine, then the API's request
+    # preparation with its tokenizer copies): the second of two (the first builds the C ops' cache and imports)
     for _ in range(2):
         t0 = time.perf_counter()
         alone = AsyncLLMEngine.from_config(config, show_progress=False)
+        OpenAIServing(alone, MODEL)
         startup_s = time.perf_counter() - t0
         alone.shutdown()
         del alone
@@ -97,8 +101,10 @@ def main() -> int:
     first_b = stream(client, "b", 8)  # the request that loads b: its time to first token includes the load
     load_b = pool.entries["b"].load_seconds
     rss_loaded = rss_bytes()
-    idle_b, without_b = [], []
+    idle_b, without_b, parked = [], [], []
     for _ in range(args.rounds):
+        time.sleep(PARK_AFTER_S + 1.0)  # b idle as it stays between requests: its engine thread parked
+        parked.append(pool.entries["b"].engine.num_parks > 0)
         idle_b.append(stream(client, "a", args.max_tokens)["decode_tokens_per_s"])  # b loaded, idle
         assert httpx.post(f"{url}/models/unload", json={"model": "b"}, timeout=60).status_code == 200
         without_b.append(stream(client, "a", args.max_tokens)["decode_tokens_per_s"])
@@ -118,7 +124,8 @@ def main() -> int:
                                             "ttft_over_startup": round(first_b["ttft_s"] / startup_s, 3)},
         "idle_neighbour": {"decode_tokens_per_s_alone": [round(x, 1) for x in without_b],
                            "decode_tokens_per_s_with_idle_model_loaded": [round(x, 1) for x in idle_b],
-                           "ratio_of_medians": round(idle_med / alone_med, 3)},
+                           "ratio_of_medians": round(idle_med / alone_med, 3),
+                           "idle_engine_thread_parked": parked},
         "memory": {"rss_before_load_mib": round(rss_before / 2**20, 1),
                    "rss_loaded_mib": round(rss_loaded / 2**20, 1),
                    "rss_after_unload_mib": round(rss_after / 2**20, 1),

@@ -181,9 +181,14 @@ class AsyncLLMEngine:
             So ``max_waiting + max_num_seqs`` requests are admitted at once: those still being handed to
             the engine count as the engine's waiting ones do, the first ``max_num_seqs`` of them as
             running (the next step schedules them), not as queued.
+        park_after_s: let the engine thread end after this many idle seconds and start a new one with the next
+            command (None: never). Each thread that ran a CPU op keeps an OpenMP team; while an idle model's team
+            lives, libgomp manages more threads than there are cores and cuts every team's spinning, which slowed
+            a busy neighbour's decode by ~12% (``bench/results/model_pool.json``). A many-model server parks its
+            engines; a one-model server keeps its thread.
     """
 
-    def __init__(self, engine: EngineCore, max_waiting: int | None = None) -> None:
+    def __init__(self, engine: EngineCore, max_waiting: int | None = None, park_after_s: float | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         # The engine's input processor: front ends take a copy (own tokenizer) and submit EngineRequests,
@@ -202,10 +207,14 @@ class AsyncLLMEngine:
         self._stop = threading.Event()
         self._dead: str | None = None
         self._thread: threading.Thread | None = None
+        self.park_after_s = park_after_s
+        self._parked = False  # the loop ended while idle; the next command starts it again (see _send)
+        self._park_lock = threading.Lock()
+        self.num_parks = 0
 
     @classmethod
-    def from_config(cls, config: EngineConfig, *, show_progress: bool = True, max_waiting: int | None = None
-                    ) -> AsyncLLMEngine:
+    def from_config(cls, config: EngineConfig, *, show_progress: bool = True, max_waiting: int | None = None,
+                    park_after_s: float | None = None) -> AsyncLLMEngine:
         """Load the model on the engine's own thread and start the loop there; what ``lightinfer serve`` does.
 
         Why a CPU server should start this way: torch runs its CPU ops on an OpenMP thread team, one team
@@ -218,7 +227,7 @@ class AsyncLLMEngine:
         Args:
             config: a :class:`lightinfer.config.EngineConfig`.
             show_progress: print the loading phases (as :class:`LLMEngine` does).
-            max_waiting: as in the constructor.
+            max_waiting, park_after_s: as in the constructor.
         Returns:
             a started engine (``start()`` is then a no-op; ``shutdown()`` stops it).
         Raises:
@@ -244,7 +253,7 @@ class AsyncLLMEngine:
         thread.start()
         engine = loaded.result()
         try:
-            served = cls(engine, max_waiting=max_waiting)
+            served = cls(engine, max_waiting=max_waiting, park_after_s=park_after_s)
         except BaseException:
             owner.put(None)
             raise
@@ -254,8 +263,10 @@ class AsyncLLMEngine:
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Start the background loop (idempotent)."""
-        if self._thread is None or not self._thread.is_alive():
+        """Start the background loop (idempotent; a parked loop starts with its next command)."""
+        with self._park_lock:
+            if self._parked or (self._thread is not None and self._thread.is_alive()):
+                return
             self._stop.clear()
             self._thread = threading.Thread(target=self._run, name="lightinfer-engine", daemon=True)
             self._thread.start()
@@ -263,15 +274,35 @@ class AsyncLLMEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop; requests still in flight end with :class:`EngineDeadError`."""
         self._stop.set()
-        self._commands.put(Wake())
+        with self._park_lock:
+            self._parked = False
+            self._commands.put(Wake())
         if self._thread is not None:
             self._thread.join(timeout)
         self._thread = None
 
     @property
     def is_running(self) -> bool:
-        """True while the loop thread is alive and healthy."""
-        return self._thread is not None and self._thread.is_alive() and self._dead is None
+        """True while the loop thread is alive and healthy (or parked: see ``park_after_s``)."""
+        if self._dead is not None or self._stop.is_set():
+            return False
+        return self._parked or (self._thread is not None and self._thread.is_alive())
+
+    def _send(self, cmd: EngineCommand) -> None:
+        """Queue ``cmd`` for the engine thread, starting a new one when the last one parked."""
+        with self._park_lock:
+            self._commands.put(cmd)
+            if not self._parked:
+                return
+            self._parked = False
+            self._thread = threading.Thread(target=self._resume, name="lightinfer-engine", daemon=True)
+            self._thread.start()
+
+    def _resume(self) -> None:
+        threads = getattr(getattr(self.engine, "model_runner", None), "cpu_threads", None)
+        if threads is not None:  # torch's thread count is the thread's own setting: this thread's steps' count
+            threads.for_steps()
+        self._run()
 
     def add_observer(self, observer: RequestObserver) -> None:
         """Register a receiver of per-request timing (called on the engine thread; keep it cheap)."""
@@ -336,7 +367,7 @@ class AsyncLLMEngine:
             self._num_pending += 1
         stream = RequestStream(request_id, asyncio.get_running_loop())
         accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._commands.put(AddRequest(request_id, prompt, sampling_params, stream, accepted))
+        self._send(AddRequest(request_id, prompt, sampling_params, stream, accepted))
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
@@ -368,13 +399,15 @@ class AsyncLLMEngine:
 
         Unknown or already finished ids are ignored; the request's stream ends.
         """
-        self._commands.put(AbortRequest(request_id))
+        self._send(AbortRequest(request_id))
 
     # ---------------------------------------------------------------- engine thread
     def _run(self) -> None:
         failures = 0
         while not self._stop.is_set():
-            self._drain_commands(block=not self.engine.has_unfinished_requests())
+            idle = not self.engine.has_unfinished_requests()
+            if not self._drain_commands(block=idle) and idle and self._park():
+                return  # parked: the thread ends, with its OpenMP team; the next command starts another
             if self._stop.is_set() or not self.engine.has_unfinished_requests():
                 continue
             try:
@@ -394,13 +427,23 @@ class AsyncLLMEngine:
         self._fail_all(EngineDeadError(reason))
         self._reject_queued(EngineDeadError(reason))
 
-    def _drain_commands(self, block: bool) -> None:
+    def _park(self) -> bool:
+        """End the loop, when nothing has been queued meanwhile (``park_after_s``); whether it did."""
+        with self._park_lock:
+            if not self._commands.empty() or self._stop.is_set():
+                return False
+            self._parked = True
+            self.num_parks += 1
+        return True
+
+    def _drain_commands(self, block: bool) -> bool:
         """Run queued adds/aborts in order; when idle, sleep until a command arrives (:meth:`shutdown` sends one:
-        no timeout, so an idle engine thread never wakes)."""
+        no timeout, so an idle engine thread never wakes) or, with ``park_after_s``, that long. Whether a command
+        ran."""
         try:
-            cmd = self._commands.get() if block else self._commands.get_nowait()
+            cmd = self._commands.get(timeout=self.park_after_s) if block else self._commands.get_nowait()
         except queue.Empty:
-            return
+            return False
         handed = 0
         while True:
             handed += isinstance(cmd, AddRequest)
@@ -414,6 +457,7 @@ class AsyncLLMEngine:
         # pending: in between, admission control would see them nowhere and let too many in.
         with self._pending_lock:
             self._num_pending -= handed
+        return True
 
     def _handle(self, cmd: EngineCommand) -> None:
         if isinstance(cmd, AddRequest):

@@ -199,10 +199,13 @@ def release_memory() -> None:
         pass
 
 
+PARK_AFTER_S = 2.0  # an idle model's engine thread ends after this long (AsyncLLMEngine's park_after_s)
+
+
 def _load_engine(config: EngineConfig, max_waiting: int | None) -> Any:
     from lightinfer.engine.async_engine import AsyncLLMEngine
 
-    return AsyncLLMEngine.from_config(config, show_progress=False, max_waiting=max_waiting)
+    return AsyncLLMEngine.from_config(config, show_progress=False, max_waiting=max_waiting, park_after_s=PARK_AFTER_S)
 
 
 class ModelPool:

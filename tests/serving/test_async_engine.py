@@ -160,6 +160,32 @@ def test_shutdown_fails_inflight_and_refuses_new() -> None:
     assert not eng.is_running
 
 
+def test_an_idle_engine_parks_its_thread_and_the_next_request_wakes_it() -> None:
+    """``park_after_s``: the loop's thread ends when idle (its OpenMP team with it) and the next command starts
+    another; requests before and after are served alike, and a parked engine counts as running."""
+    import time
+
+    from lightinfer.engine.async_engine import AsyncLLMEngine
+
+    eng = AsyncLLMEngine(fake_engine().engine, park_after_s=0.05)
+    eng.start()
+    try:
+        first = asyncio.run(_run(eng, "a"))
+        deadline = time.monotonic() + 5
+        while eng.num_parks == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        thread = eng._thread
+        assert eng.num_parks == 1 and thread is not None and not thread.is_alive() and eng.is_running
+        eng.start()  # a parked engine is started by its next command, not here
+        assert eng._thread is thread
+        assert asyncio.run(_run(eng, "b")) == first  # woken by the add: a new thread
+        assert eng._thread is not thread and eng.num_unfinished == 0
+        eng.abort("nobody")  # any command wakes it too
+    finally:
+        eng.shutdown()
+    assert not eng.is_running
+
+
 def test_real_engine_concurrent_streams_and_abort(real_server: LiveServer) -> None:
     """The real SmolLM2 behind the async engine: batched greedy streams match a lone run; abort frees."""
     engine = real_server.engine
