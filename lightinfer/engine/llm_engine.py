@@ -383,6 +383,11 @@ class LLMEngine:
             req = self.requests.get(s.seq.request_id)
             if req is not None and any(q.seq_id == s.seq.seq_id for q in req.seqs):
                 touched.setdefault(req.request_id, req)
+        return self._step_outputs(out, touched, final_only)
+
+    def _step_outputs(self, out: SchedulerOutput, touched: dict[str, Request], final_only: bool) -> list[RequestOutput | EmbeddingRequestOutput]:
+        """The step's outputs of the ``touched`` requests (only the finished ones when ``final_only``), the batch
+        counters updated and the finished requests forgotten."""
         self.stats.last_batch_size = len(out.scheduled)
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(out.scheduled))
         results = [self._make_output(r) for r in touched.values() if r.finished or not final_only]
@@ -416,13 +421,7 @@ class LLMEngine:
                 req.outputs[0].finish_reason = "stop"
                 req.metrics.finished_time = time.monotonic()
             touched[req.request_id] = req
-        self.stats.last_batch_size = len(out.scheduled)
-        self.stats.max_batch_size = max(self.stats.max_batch_size, len(out.scheduled))
-        results = [self._make_output(r) for r in touched.values() if r.finished or not final_only]
-        for r in touched.values():
-            if r.finished:
-                del self.requests[r.request_id]
-        return results  # type: ignore[return-value]
+        return self._step_outputs(out, touched, final_only)
 
     def _verify(self, logits: torch.Tensor, drafting: list[tuple[ScheduledSequence, int]]) -> list[Verified]:
         """Accept or reject the drafts of the sequences that verify (``engine/spec/verify.py``): each one's
