@@ -14,6 +14,7 @@ import importlib.util
 import os
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from typing import Any
 
 import gradio as gr
@@ -133,15 +134,37 @@ def build_ui(engine: AsyncLLMEngine | None = None, max_queue: int = 64, title: s
         prompt, dropped, max_new = fit_context(inputs.tokenizer, system, turns, inputs.max_model_len, max_new_tokens)
         return inputs.process(prompt, SamplingParams(max_tokens=max_new, **settings)), dropped
 
-    async def respond(message: str | dict[str, Any], history: list[Any], *args: Any,
-                      request: gr.Request = None) -> AsyncIterator[str | list[gr.ChatMessage]]:
-        model, args = (args[0], args[1:]) if models is not None else (None, args)
+    async def answer(model: str | None, message: str | dict[str, Any], history: list[Any], settings: tuple[Any, ...],
+                     request: gr.Request | None) -> AsyncIterator[str | list[gr.ChatMessage]]:
         try:
-            async with target.use(model) as (engine_, inputs, prep):
-                async for update in reply(engine_, inputs, prep, model, message, history, *args, request=request):
+            # Stop (or a closed tab) closes this generator: close the reply's now, so that its abort and its numbers
+            # for the "stopped" mark come at once, not when the garbage collector gets to it.
+            async with target.use(model) as (engine_, inputs, prep), \
+                    aclosing(reply(engine_, inputs, prep, model, message, history, *settings,
+                                   request=request)) as updates:
+                async for update in updates:
                     yield update
         except OpenAIError as exc:  # a model that cannot be loaded (or no longer exists)
             yield [refusal(f"⚠️ {exc.body.error.message}")]
+
+    # Gradio passes the chat's additional inputs by position and the request by its annotated parameter: the two
+    # handlers spell their parameters out (with the picker, the model comes first).
+    async def respond(message: str | dict[str, Any], history: list[Any], system: str, temperature: float,
+                      top_p: float, top_k: float, max_new_tokens: float, seed: float | None, json_schema: str = "",
+                      request: gr.Request = None) -> AsyncIterator[str | list[gr.ChatMessage]]:
+        settings = (system, temperature, top_p, top_k, max_new_tokens, seed, json_schema)
+        async with aclosing(answer(None, message, history, settings, request)) as updates:
+            async for update in updates:
+                yield update
+
+    async def respond_with_model(message: str | dict[str, Any], history: list[Any], model: str, system: str,
+                                 temperature: float, top_p: float, top_k: float, max_new_tokens: float,
+                                 seed: float | None, json_schema: str = "",
+                                 request: gr.Request = None) -> AsyncIterator[str | list[gr.ChatMessage]]:
+        settings = (system, temperature, top_p, top_k, max_new_tokens, seed, json_schema)
+        async with aclosing(answer(model, message, history, settings, request)) as updates:
+            async for update in updates:
+                yield update
 
     async def reply(engine: AsyncLLMEngine, inputs: InputProcessor, prep: ThreadPoolExecutor, model: str | None,
                     message: str | dict[str, Any], history: list[Any], system: str, temperature: float,
@@ -220,7 +243,8 @@ def build_ui(engine: AsyncLLMEngine | None = None, max_queue: int = 64, title: s
             # Send and Stop as words, not bare icons: a screen reader (and `get_by_role("button", name="Stop")`)
             # then finds them by name; Gradio's icon buttons have no accessible label.
             chat = ChatInterface(
-                respond, chatbot=gr.Chatbot(label="Chat", height=480, render=False),
+                respond if models is None else respond_with_model,
+                chatbot=gr.Chatbot(label="Chat", height=480, render=False),
                 submit_btn="Send", stop_btn="Stop",
                 additional_inputs=[*([picker] if picker is not None else []), system, *sampling],
                 additional_inputs_accordion=gr.Accordion("Sampling", open=False, render=False),
