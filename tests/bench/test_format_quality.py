@@ -63,6 +63,7 @@ def test_reference_windows_are_the_evaluator_s() -> None:
     assert windows(list(range(9)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # a last window of 1 token scores nothing
 
 
+@pytest.mark.audit  # runs the benchmark's baseline on the model (~8 s): make test-audit
 def test_tool_formats_are_skipped_without_their_venv(tmp_path) -> None:
     from bench.quality import format_quality
 

@@ -39,6 +39,7 @@ def _sample(llm: LLM, params: SamplingParams = SAMPLED) -> list[int]:
     return llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0].token_ids
 
 
+@pytest.mark.audit  # two fresh interpreters each load the model (~15 s): make test-audit
 def test_generate_in_two_processes_differs_without_a_seed_and_repeats_with_one(folder: str) -> None:
     """`lightinfer generate --temperature 1.0` started twice printed the same "random" tokens (the shared generator
     was seeded with 0 in every process); with --seed both runs print the same ones."""
