@@ -23,7 +23,7 @@ from lightinfer.inputs.text import check_text, message_text
 from lightinfer.sampling_params import SamplingParams
 from lightinfer.structured.spec import StructuredOutputs
 from lightinfer.structured.tool_formats import ToolCallFormat
-from lightinfer.structured.tool_grammar import THINK_CLOSE, THINK_OPEN
+from lightinfer.structured.tool_grammar import THINK_CLOSE, THINK_OPEN, with_answer_format
 from lightinfer.structured.tool_parser import ParsedToolCalls, ToolCallStreamParser, parse_tool_calls
 from lightinfer.structured.tool_spec import ToolChoice, ToolSpec
 
@@ -215,22 +215,34 @@ class ToolCalling:
     def constrain(self, params: SamplingParams) -> SamplingParams:
         """A copy of ``params`` with the tool grammar as ``structured_outputs``, and special tokens kept in
         the text (Llama's ``<|python_tag|>`` and Mistral's ``[TOOL_CALLS]`` are special tokens the parser
-        must see; the grammar keeps every other special token out of the reply).
+        must see; the grammar keeps every other special token out of the reply). With tool_choice "auto" a JSON
+        response format already in ``params`` replaces the free-text answer: the reply is that JSON or calls
+        (:func:`lightinfer.structured.tool_grammar.with_answer_format`).
 
         Raises:
-            InputError: ``params`` already has a ``structured_outputs`` (see :meth:`check_compatible`).
+            InputError: ``params`` has a response format the calls cannot be combined with (see
+                :meth:`check_compatible`).
         """
-        self.check_compatible(params.structured_outputs)
-        return dataclasses.replace(params, structured_outputs=self.grammar, skip_special_tokens=False)
+        answer = params.structured_outputs
+        self.check_compatible(answer)
+        grammar = self.grammar if answer is None else with_answer_format(self.grammar, answer)
+        return dataclasses.replace(params, structured_outputs=grammar, skip_special_tokens=False)
 
     def check_compatible(self, structured_outputs: StructuredOutputs | None) -> None:
-        """Raise :class:`InputError` (``param="tool_choice"``) when the request also has a response format:
-        the reply cannot be constrained to both."""
-        if structured_outputs is not None:
-            raise InputError(f"tool_choice {self.choice.mode!r} with tools constrains the reply to text and tool "
-                             "calls, which cannot be combined with a response format (response_format / "
-                             "structured_outputs): set tool_choice to \"none\" for a structured answer, or leave "
-                             "the response format out", param="tool_choice")
+        """Raise :class:`InputError` (``param="tool_choice"``) when the request also has a response format the
+        reply cannot be constrained to beside the calls: any with tool_choice "required" or a named function (the
+        reply must be a call), a regex, choice or grammar with "auto" (a JSON format is the answer's form)."""
+        if structured_outputs is None:
+            return
+        if self.choice.mode != "auto":
+            raise InputError(f"tool_choice {self.choice.mode!r} makes the reply a tool call, which cannot be combined "
+                             "with a response format (response_format / structured_outputs): use tool_choice "
+                             "\"auto\" (the reply is then the formatted answer or calls) or leave the response "
+                             "format out", param="tool_choice")
+        if structured_outputs.kind not in ("json", "json_object"):
+            raise InputError(f"a {structured_outputs.kind} constraint cannot be combined with tool calls: with tools "
+                             "only a JSON response format (json_schema or json_object) can shape the answer; set "
+                             "tool_choice to \"none\" for this constraint", param="tool_choice")
 
     def stream_parser(self) -> ToolCallStreamParser:
         """A fresh streaming parser (one per completion) yielding OpenAI ``delta`` dicts."""

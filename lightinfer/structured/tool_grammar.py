@@ -199,3 +199,26 @@ def build_tool_call_grammar(tools: Sequence[Any] | None, tool_choice: Any = None
         except StructuredOutputsError as e:
             raise ValueError(f"tools[{i}].function.parameters: {e.reason}") from None
     return StructuredOutputs(grammar=_lark(f, specs, choice, parallel_tool_calls, special_tokens, reasoning))
+
+
+def with_answer_format(tool_grammar: StructuredOutputs, answer: StructuredOutputs) -> StructuredOutputs:
+    """An "auto" tool grammar whose free-text answer must instead be JSON of the response format ``answer``: the
+    reply is either that JSON or the tool calls (what an agent asks with tools and a response format together,
+    e.g. Codex CLI's ``--output-schema``). A ``<think>`` block before either stays allowed.
+
+    Args:
+        tool_grammar: :func:`build_tool_call_grammar` of tool_choice "auto".
+        answer: a ``json`` or ``json_object`` structured output.
+    Returns:
+        the combined constraint.
+    Raises:
+        ValueError: ``answer`` is not JSON (a regex, choice or grammar cannot be combined with calls).
+    """
+    kind = answer.kind
+    if kind not in ("json", "json_object"):
+        raise ValueError(f"a {kind} constraint cannot be combined with tool calls; only a JSON response format can")
+    schema = answer.json if kind == "json" else {"type": "object"}
+    first, *rest = (tool_grammar.grammar or "").splitlines()
+    head = first.split(":", 1)[0]  # "start", or "answer" when a <think> block may come first
+    reply = _json_rule(close_objects(copy.deepcopy(schema)))
+    return StructuredOutputs(grammar="\n".join([f"{head}: reply_json | calls", f"reply_json: {reply}", *rest]) + "\n")

@@ -131,8 +131,16 @@ def test_process_chat_builds_the_tool_grammar(family: str) -> None:
     none_req, none_calling = inputs.process_chat(ASK, SamplingParams(), tools=[WEATHER], tool_choice="none")
     assert none_calling is None and "get_weather" not in none_req.prompt
     with pytest.raises(InputError, match="cannot be combined") as e:
-        inputs.process_chat(ASK, SamplingParams(structured_outputs={"json_object": True}), tools=[WEATHER])
+        inputs.process_chat(ASK, SamplingParams(structured_outputs={"json_object": True}), tools=[WEATHER],
+                            tool_choice="required")
     assert e.value.param == "tool_choice"
+    with pytest.raises(InputError, match="regex constraint cannot be combined") as e:
+        inputs.process_chat(ASK, SamplingParams(structured_outputs={"regex": "a+"}), tools=[WEATHER])
+    assert e.value.param == "tool_choice"
+    # "auto" with a JSON response format: the answer is that JSON, or calls (tool_grammar.with_answer_format)
+    both, both_calling = inputs.process_chat(ASK, SamplingParams(structured_outputs={"json_object": True}),
+                                             tools=[WEATHER])
+    assert both_calling is not None and "reply_json | calls" in both.sampling_params.structured_outputs.grammar
     with pytest.raises(InputError) as e:
         inputs.process_chat(ASK, SamplingParams(), tools=[WEATHER], tool_choice={"type": "function",
                                                                                  "function": {"name": "nope"}})

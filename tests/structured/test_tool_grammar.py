@@ -161,3 +161,24 @@ def test_free_arguments_nest_at_most_the_free_depth(byte_backend) -> None:
         return '{"a": ' * (levels - 1) + "{}" + "}" * (levels - 1)
 
     assert fits('{"city": "Paris"}') and fits(nested(depth)) and not fits(nested(depth + 1))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("reasoning", [None, "optional"])
+def test_auto_with_a_json_answer_format_takes_that_json_or_calls(byte_backend, fmt, reasoning) -> None:
+    """Tools with tool_choice "auto" and a JSON response format (Codex CLI's --output-schema): the reply is JSON of
+    that schema or the calls; free text, or JSON of another shape, is not."""
+    from lightinfer.structured import StructuredOutputs
+    from lightinfer.structured.tool_grammar import with_answer_format
+
+    answer = StructuredOutputs(json={"type": "object", "properties": {"summary": {"type": "string"}},
+                                     "required": ["summary"]})
+    spec = with_answer_format(build_tool_call_grammar(TOOLS, "auto", fmt, reasoning=reasoning), answer)
+    assert accepts(byte_backend, spec, '{"summary": "done"}')
+    assert accepts(byte_backend, spec, ONE[fmt]) and accepts(byte_backend, spec, TWO[fmt])
+    assert not accepts(byte_backend, spec, "It is sunny.")
+    assert not accepts(byte_backend, spec, '{"result": 1}')
+    if reasoning:
+        assert accepts(byte_backend, spec, '<think>easy</think>\n{"summary": "done"}')
+    with pytest.raises(ValueError, match="regex constraint cannot be combined"):
+        with_answer_format(spec, StructuredOutputs(regex="a+"))
