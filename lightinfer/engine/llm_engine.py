@@ -600,6 +600,7 @@ class LLMEngine:
             "cpu_expert_bytes": self.model_runner.cpu_expert_bytes,
             "num_kv_blocks": self.model_runner.num_blocks,
             "block_size": spec.block_size,
+            "enable_prefix_caching": bool(self.config.enable_prefix_caching),
             "kv_pool_tokens": self.model_runner.num_blocks * spec.block_size,
             # per KV-cache group (sliding-window layers keep their own pool): window (None: full), layers, blocks
             "kv_groups": [{"window": g.window, "num_layers": len(g.layers), "num_blocks": n}

@@ -7,6 +7,9 @@ Two sources:
 - per-request latencies (time to first token, inter-token latency, end-to-end) are histograms
   fed by the async engine's observer hooks on the engine thread.
 
+Beside them, vLLM's names for the same figures (:mod:`vllm_metrics`: the Model Server Protocol that Kubernetes
+inference gateways read, and vLLM's dashboards).
+
 Each server gets its own ``CollectorRegistry`` (no process-global state: tests build many apps). A many-model
 server (``entrypoints/model_pool.py``) labels every series with ``model_name`` (vLLM's label), one per loaded
 model; a one-model server's series carry no label.
@@ -21,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from lightinfer.engine.async_engine import AsyncLLMEngine
+from lightinfer.entrypoints.vllm_metrics import VllmLatencies, VllmStatsCollector
 
 PREFIX = "lightinfer_"
 # CPU decode runs at ~10-60 ms/token, a GPU at ~5-30 ms: buckets cover both, seconds.
@@ -101,17 +105,22 @@ class ServingMetrics:
 
     Args:
         engine: the async engine to read stats from and to observe (a one-model server).
+        model_name: its served name (the ``model_name`` label of vLLM's series); default the engine's model.
         sources: instead of ``engine``, a many-model server's loaded models, ``() -> [(name, engine)]``; series are
             labelled ``model_name``, and each engine is observed from :meth:`attach`.
     """
 
-    def __init__(self, engine: AsyncLLMEngine | None = None, *, sources: Sources | None = None) -> None:
+    def __init__(self, engine: AsyncLLMEngine | None = None, *, model_name: str | None = None,
+                 sources: Sources | None = None) -> None:
         if (engine is None) == (sources is None):
             raise ValueError("ServingMetrics takes an engine or sources, not both")
         self.registry = CollectorRegistry()
         labelled = sources is not None
-        single: Sources = lambda: [("", engine)]
+        self.model_name = model_name or (str(engine.model_info().get("model")) if engine is not None else "")
+        single: Sources = lambda: [(self.model_name, engine)]
         self.registry.register(_EngineStatsCollector(sources or single, labelled))
+        self.registry.register(VllmStatsCollector(sources or single))
+        self.vllm = VllmLatencies(self.registry)
         by_model = ["model_name"] if labelled else []
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from arrival to the first token.",
                               by_model, buckets=_TTFT_BUCKETS, registry=self.registry)
@@ -132,13 +141,16 @@ class ServingMetrics:
 
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
+        self.vllm.first_token(self.model_name, seconds)
 
     def on_inter_token(self, seconds: float) -> None:
         self.itl.observe(seconds)
+        self.vllm.inter_token(self.model_name, seconds)
 
     def on_finished(self, finish_reason: str, seconds: float) -> None:
         self.finished.labels(finish_reason=finish_reason).inc()
         self.e2e.observe(seconds)
+        self.vllm.finished(self.model_name, finish_reason, seconds)
 
     def on_rejected(self) -> None:
         self.rejected.inc()
@@ -156,13 +168,16 @@ class _ModelObserver:
 
     def on_first_token(self, seconds: float) -> None:
         self.metrics.ttft.labels(model_name=self.name).observe(seconds)
+        self.metrics.vllm.first_token(self.name, seconds)
 
     def on_inter_token(self, seconds: float) -> None:
         self.metrics.itl.labels(model_name=self.name).observe(seconds)
+        self.metrics.vllm.inter_token(self.name, seconds)
 
     def on_finished(self, finish_reason: str, seconds: float) -> None:
         self.metrics.finished.labels(finish_reason=finish_reason, model_name=self.name).inc()
         self.metrics.e2e.labels(model_name=self.name).observe(seconds)
+        self.metrics.vllm.finished(self.name, finish_reason, seconds)
 
     def on_rejected(self) -> None:
         self.metrics.rejected.labels(model_name=self.name).inc()

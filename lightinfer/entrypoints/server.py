@@ -124,8 +124,8 @@ def build_api_app(
         raise ValueError("build_api_app takes an engine or a model pool, not both")
     served: ServedModels
     if engine is not None:
-        metrics = ServingMetrics(engine)
         name = served_model_name or str(engine.model_info()["model"])
+        metrics = ServingMetrics(engine, model_name=name)
         served = SingleModel(OpenAIServing(engine, name, tool_call_parser))
     else:
         assert models is not None

@@ -109,6 +109,7 @@ class FakeLLMEngine:
             "model": "fake-model", "quantization": {"method": "awq", "bits": 4, "group_size": 64},
             "kv_cache_dtype": self.config.kv_cache_dtype, "weight_bytes": 123_456_789,
             "num_kv_blocks": self.stats.num_total_blocks, "block_size": self.config.block_size,
+            "enable_prefix_caching": self.config.enable_prefix_caching,
             "kv_pool_tokens": self.stats.num_total_blocks * self.config.block_size,
             "max_model_len": self.max_model_len, "dtype": "float32", "device": "cpu",
         }
