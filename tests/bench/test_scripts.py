@@ -103,6 +103,7 @@ def test_moe_kernel_bench_smoke_on_cpu() -> None:
     assert all(r["fused_rel_err"] < 1e-3 and r["fused_us"] > 0 and r["per_expert_loop_us"] > 0 for r in rows)
 
 
+@pytest.mark.audit  # the benchmark's smoke run (~11 s): make test-audit
 def test_spec_decode_runs_and_compares_greedy_output(tmp_path) -> None:
     """bench/serving/spec_decode.py at tiny scale on the embedded model: both engines answer, the greedy outputs
     are compared, and the figures are written."""

@@ -67,6 +67,7 @@ def test_prefix_cache_hit_on_shared_system_prompt(smollm2_llm) -> None:
     assert b.num_cached_tokens % 16 == 0
 
 
+@pytest.mark.audit  # ~15 s on 2 cores: make test-audit (make test keeps preemption in the spec and structured engine tests)
 def test_preemption_loses_nothing(smollm2_llm) -> None:
     prompts = [f"Story number {i}: Once upon a time" for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

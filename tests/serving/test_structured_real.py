@@ -52,6 +52,7 @@ def test_ten_schemas_parse_and_validate(client: openai.OpenAI, temperature: floa
         jsonschema.validate(json.loads(text), schema)
 
 
+@pytest.mark.audit  # ~14 s on the real model: make test-audit
 def test_json_object_and_guided_choice(client: openai.OpenAI) -> None:
     for temperature in (0.0, 0.8):
         r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=200, temperature=temperature, seed=1,
