@@ -196,9 +196,9 @@ class LLM:
         processor.check_embeds()
         params = PoolingParams(dimensions=dimensions)
         requests = [processor.process_embedding(p, params) for p in prompts]  # all checked before any is queued
-        return self._run(requests, use_tqdm)  # type: ignore[return-value]
+        return self._run(requests, use_tqdm, "embedding")  # type: ignore[return-value]
 
-    def _run(self, requests: list[EngineRequest], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, requests: list[EngineRequest], use_tqdm: bool, what: str = "generating") -> list[RequestOutput]:
         engine = self.llm_engine
         order: dict[str, int] = {}
         for i, request in enumerate(requests):
@@ -206,7 +206,7 @@ class LLM:
             order[rid] = i
             engine.add_request(rid, request)
         results: list[RequestOutput | None] = [None] * len(requests)
-        bar = tqdm(total=len(requests), desc="generating", disable=not use_tqdm)
+        bar = tqdm(total=len(requests), desc=what, disable=not use_tqdm)
         try:
             remaining = len(requests)
             while remaining:

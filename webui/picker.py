@@ -63,7 +63,7 @@ def pool_model_panel(models: ModelPool, name: str | None) -> str:
     if entry is None:
         return "no such model"
     if entry.engine is not None:
-        return model_panel(entry.engine.model_info())
+        return model_panel({**entry.engine.model_info(), "model": entry.name})  # the name it is served under
     size = f"{entry.size_bytes / 2**20:,.1f} MiB" if entry.size_bytes else "unknown"
     lines = [f"| Model | `{entry.name}` |", "|---|---|", f"| State | {STATE_MARK.get(entry.state, entry.state)} |",
              f"| Format | {entry.format} |", f"| Files | {size} |"]

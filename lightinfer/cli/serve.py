@@ -143,6 +143,7 @@ def run_serve(args: argparse.Namespace) -> int:
     pool = model_pool(args)
     options = {"api_key": args.api_key, "max_request_bytes": args.max_request_bytes,
                "tool_call_parser": args.tool_call_parser}
+    no_ui_why = "--no-ui"
     if pool is None:
         config = EngineConfig(model=args.model[0], max_waiting=args.max_waiting, **engine_kwargs(args))
         print(f"lightinfer: loading {args.model[0]} (KV cache {args.kv_cache_dtype}) ...", flush=True)
@@ -150,7 +151,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if engine.model_info().get("runner") == "pooling" and not args.no_ui:  # nothing to chat with
             print("lightinfer: this is an embedding model (runner pooling): serving the API only, with "
                   "/v1/embeddings; the chat UI is not served", flush=True)
-            args.no_ui = True
+            args.no_ui, no_ui_why = True, "an embedding model"
         served = {"engine": engine, "served_model_name": (args.served_model_name or [None])[0]}
         what = engine.model_info()["model"]
     else:
@@ -167,7 +168,8 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"\nlightinfer is serving {what}\n{ui_line}"
           f"  OpenAI API:  http://{shown}:{args.port}/v1   (docs: /docs, metrics: /metrics, stats: /stats, "
           f"health: /health)\n"
-          + access_summary(args.host, args.api_key is not None, ui_auth, args.no_ui)
+          f"  Anthropic Messages API: http://{shown}:{args.port}   (the anthropic client's base_url)\n"
+          + access_summary(args.host, args.api_key is not None, ui_auth, args.no_ui, no_ui_why)
           + "\n  Ctrl-C stops it.\n", flush=True)
     run_server(app, args.host, args.port, log_level=args.log_level, limits=limits)
     return 0
@@ -254,12 +256,14 @@ def model_pool(args: argparse.Namespace) -> Any:
                      tool_call_parser=args.tool_call_parser)
 
 
-def access_summary(host: str, has_api_key: bool, ui_auth: tuple[str, str] | None, no_ui: bool) -> str:
-    """What is open to whom, as the start-up banner says it (the rule: ``webui/server.py``)."""
+def access_summary(host: str, has_api_key: bool, ui_auth: tuple[str, str] | None, no_ui: bool,
+                   no_ui_why: str = "--no-ui") -> str:
+    """What is open to whom, as the start-up banner says it (the rule: ``webui/server.py``); ``no_ui_why``: why the
+    chat UI is not served."""
     who = "this machine only" if host in LOOPBACK else f"anyone who can reach {host}"
-    api = "Bearer API key required" if has_api_key else "open, no key"
+    api = "Bearer API key required (or x-api-key)" if has_api_key else "open, no key"
     if no_ui:
-        ui = "not served (--no-ui)"
+        ui = f"not served ({no_ui_why})"
     elif ui_auth is not None:
         ui = f"login as {ui_auth[0]!r} (--ui-auth)"
     elif has_api_key:

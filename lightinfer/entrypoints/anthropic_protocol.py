@@ -203,6 +203,9 @@ class Message(BaseModel):
     @field_validator("content")
     @classmethod
     def _unicode(cls, value: Any) -> Any:
+        if (isinstance(value, str) and not value.strip()) or (isinstance(value, list) and not value):
+            raise ValueError("a message's content must not be empty: give it text or blocks (as Anthropic's API "
+                             "requires)")
         return check_text(value, "the message content") if isinstance(value, str) else value
 
 

@@ -58,15 +58,15 @@ class EmbeddingRequest(BaseModel):
         """A clear message for each wrong shape (pydantic's would list every member of the union)."""
         if isinstance(value, str):
             if not value:
-                raise ValueError("input must not be empty")
+                raise ValueError("must not be empty")
             check_text(value, "input")
             return value
         if not isinstance(value, list):
-            raise ValueError(f"input must be {_INPUT_SHAPES}, got a JSON {_json_kind(value)}")  # noqa: TRY004 - see below
+            raise ValueError(f"must be {_INPUT_SHAPES}, got a JSON {_json_kind(value)}")  # noqa: TRY004 - see below
         if not value:
-            raise ValueError("input must not be empty: give at least one string or token id")
+            raise ValueError("must not be empty: give at least one string or token id")
         if len(value) > MAX_INPUTS:
-            raise ValueError(f"input has {len(value)} items; at most {MAX_INPUTS} in one request")
+            raise ValueError(f"has {len(value)} items; at most {MAX_INPUTS} in one request")
         if all(_is_id(v) for v in value):
             return value
         for i, item in enumerate(value):

@@ -202,6 +202,14 @@ def release_memory() -> None:
 PARK_AFTER_S = 2.0  # an idle model's engine thread ends after this long (AsyncLLMEngine's park_after_s)
 
 
+def reason_of(exc: Exception) -> str:
+    """Why a model could not be loaded, for its requests: the message of the errors that explain themselves (a bad
+    file or setting, a missing file, too little memory), else with the error's type."""
+    if isinstance(exc, (ValueError, OSError, MemoryError)) and str(exc):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _load_engine(config: EngineConfig, max_waiting: int | None) -> Any:
     from lightinfer.engine.async_engine import AsyncLLMEngine
 
@@ -362,11 +370,12 @@ class ModelPool:
         loop = asyncio.get_running_loop()
         config = replace(self.engine_config, model=entry.source)
         if entry.estimated_bytes is None:
-            try:
+            try:  # opens the checkpoint's config and headers: a broken file fails here, before anything is unloaded
                 entry.estimated_bytes = await loop.run_in_executor(None, self._estimator, config)
-            except Exception as exc:  # noqa: BLE001 -- a model that cannot even be opened fails its load
-                logger.info("could not size %s before loading: %s", entry.name, exc)
-                entry.estimated_bytes = 0
+            except Exception as exc:  # noqa: BLE001 -- this model's requests get the reason; the others go on
+                logger.error("cannot load %s: %s", entry.name, exc)
+                self._fail(entry, reason_of(exc))
+                raise self._load_error(entry) from None
         budget = self.memory_budget_bytes
         if budget is not None and entry.estimated_bytes > budget:
             self._fail(entry, f"it needs ~{entry.estimated_bytes / 2**30:.2f} GiB, more than the whole memory budget "
@@ -412,7 +421,7 @@ class ModelPool:
             if engine is not None:
                 await loop.run_in_executor(None, engine.shutdown)
             entry.serving = None
-            self._fail(entry, f"{type(exc).__name__}: {exc}")
+            self._fail(entry, reason_of(exc))
             release_memory()
             return
         entry.state, entry.loads = "loaded", entry.loads + 1

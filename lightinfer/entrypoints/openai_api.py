@@ -37,6 +37,14 @@ logger = logging.getLogger(__name__)
 BearerKey = Annotated[HTTPAuthorizationCredentials | None,
                       Depends(HTTPBearer(auto_error=False, description="the server's API key (--api-key)"))]
 INVALID_KEY_MESSAGE = "Incorrect API key provided: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
+MISSING_KEY_MESSAGE = ("You didn't provide an API key: this server needs one (--api-key); send 'Authorization: "
+                       "Bearer <key>' (or 'x-api-key: <key>')")
+
+
+def key_error_message(request: Request) -> str:
+    """The 401's message: no key sent at all, or a key that is not the server's."""
+    sent = request.headers.get("authorization") or request.headers.get("x-api-key")
+    return INVALID_KEY_MESSAGE if sent else MISSING_KEY_MESSAGE
 
 
 def has_api_key(request: Request, api_key: str | None) -> bool:
@@ -138,7 +146,7 @@ def create_openai_app(models: ServedModels, api_key: str | None = None) -> FastA
 
     async def verify_key(request: Request, _: BearerKey) -> None:
         if not has_api_key(request, api_key):
-            raise OpenAIError(401, INVALID_KEY_MESSAGE, code="invalid_api_key")
+            raise OpenAIError(401, key_error_message(request), code="invalid_api_key")
 
     # Its schema is served, with the routes around it, at /openapi.json and /docs (entrypoints/server.py).
     app = FastAPI(title="lightinfer OpenAI-compatible API", dependencies=[Depends(verify_key)] if api_key else [],

@@ -9,6 +9,8 @@ statuses, and the ``{"error": {...}}`` bodies (request validation failures inclu
 from __future__ import annotations
 
 import json
+import re
+from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -49,18 +51,27 @@ def as_openai_error(exc: Exception) -> OpenAIError:
     return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
 
 
+# pydantic names the member of a union a value failed in its location ("input.str", "input.list[any]"): not a field
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|list|dict|none|any|[a-z-]+\[.*\])$")
+
+
+def field_path(loc: Any) -> str:
+    """A validation error's location as the request's field path (``messages.0.content``): ``body`` and pydantic's
+    union-member tags left out."""
+    return ".".join(str(x) for x in loc or () if x != "body" and not _UNION_MEMBER.match(str(x)))
+
+
 def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     """A 400 for a body FastAPI could not read into the request model, naming the field: a body that is
     not JSON, not an object, missing, with fields the endpoint does not know (``Unrecognized request
     argument(s) supplied: <names>``, as OpenAI says), or with a bad field (the first five are listed)."""
-    unknown = [".".join(str(x) for x in e.get("loc", ()) if x != "body") for e in exc.errors()
-               if e.get("type") == "extra_forbidden"]
+    unknown = [field_path(e.get("loc")) for e in exc.errors() if e.get("type") == "extra_forbidden"]
     if unknown:  # OpenAI's answer, word for word, to a field it does not know (a typo is not silently dropped)
         s = "s" if len(unknown) > 1 else ""
         return error_response(OpenAIError(400, f"Unrecognized request argument{s} supplied: {', '.join(unknown)}",
                                           param=unknown[0]))
     first = exc.errors()[0] if exc.errors() else {}
-    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    loc = field_path(first.get("loc"))
     raw = first.get("input")
     if isinstance(raw, (bytes, str)) and not loc:  # no JSON Content-Type: FastAPI left the body unparsed
         try:
@@ -80,7 +91,7 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
         kind = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(raw),
                                                                                                 type(raw).__name__)
         return error_response(OpenAIError(400, f"the request body must be a JSON object, got a JSON {kind}"))
-    msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: "
-                    f"{str(e.get('msg', '')).removeprefix('Value error, ')}"  # pydantic's prefix to our checks
-                    for e in exc.errors()[:5])
+    parts = dict.fromkeys(f"{field_path(e.get('loc'))}: {str(e.get('msg', '')).removeprefix('Value error, ')}"
+                          for e in exc.errors()[:5])  # pydantic's prefix to our checks dropped; repeats once
+    msg = "; ".join(parts)
     return error_response(OpenAIError(400, msg or "invalid request", param=loc or None))

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from lightinfer.entrypoints.model_pool import ModelPool
-from lightinfer.entrypoints.openai_api import INVALID_KEY_MESSAGE, has_api_key
+from lightinfer.entrypoints.openai_api import has_api_key, key_error_message
 from lightinfer.entrypoints.openai_errors import OpenAIError, error_response
 
 
@@ -35,7 +35,7 @@ def add_pool_routes(app: FastAPI, pool: ModelPool, api_key: str | None) -> None:
 
     async def act(request: Request, unload: bool) -> JSONResponse:
         if not has_api_key(request, api_key):
-            return error_response(OpenAIError(401, INVALID_KEY_MESSAGE, code="invalid_api_key"))
+            return error_response(OpenAIError(401, key_error_message(request), code="invalid_api_key"))
         try:
             action = await _read_action(request)
             entry = await (pool.unload(action.model) if unload else pool.load(action.model, retry=True))

@@ -158,7 +158,7 @@ class ResponsesRequest(BaseModel):
     @field_validator("input")
     @classmethod
     def _some_input(cls, value: Any) -> Any:
-        if isinstance(value, list) and not value:
+        if (isinstance(value, list) and not value) or (isinstance(value, str) and not value.strip()):
             raise ValueError("must not be empty: give a string or a list of items")
         return value
 

@@ -34,12 +34,12 @@ from lightinfer.entrypoints.http_limits import HTTPLimits, uvicorn_config
 from lightinfer.entrypoints.metrics import ServingMetrics
 from lightinfer.entrypoints.model_pool import ModelPool
 from lightinfer.entrypoints.openai_api import (
-    INVALID_KEY_MESSAGE,
     create_openai_app,
     has_api_key,
+    key_error_message,
     unknown_route_error,
 )
-from lightinfer.entrypoints.openai_errors import error_response
+from lightinfer.entrypoints.openai_errors import OpenAIError, error_response
 from lightinfer.entrypoints.openai_serving import OpenAIServing
 from lightinfer.entrypoints.pool_routes import add_pool_routes
 from lightinfer.entrypoints.served_models import ServedModels, SingleModel
@@ -86,8 +86,13 @@ class BodySizeLimitMiddleware:
                 await self._reject(scope, receive, send)
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = {"error": {"message": f"request body larger than {self.max_bytes} bytes",
-                          "type": "invalid_request_error", "param": None, "code": "request_too_large"}}
+        message = f"request body larger than {self.max_bytes} bytes (--max-request-bytes)"
+        path = scope.get("path", "")
+        if path.startswith("/v1/messages"):  # the Anthropic routes answer in Anthropic's error shape
+            body: dict[str, Any] = {"type": "error", "error": {"type": "request_too_large", "message": message}}
+        else:
+            body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                              "code": "request_too_large"}}
         await JSONResponse(body, status_code=413)(scope, receive, send)
 
 
@@ -167,15 +172,15 @@ def build_api_app(
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable"}, status_code=503)
 
-    def unauthorized() -> JSONResponse:
-        return JSONResponse({"error": {"message": INVALID_KEY_MESSAGE, "type": "invalid_request_error",
+    def unauthorized(request: Request) -> JSONResponse:
+        return JSONResponse({"error": {"message": key_error_message(request), "type": "invalid_request_error",
                                        "param": None, "code": "invalid_api_key"}}, status_code=401)
 
     @app.get("/metrics")
     async def prometheus_metrics(request: Request) -> Response:
         """Prometheus metrics (Bearer key when the server has one: Prometheus' ``authorization`` setting)."""
         if not has_api_key(request, api_key):
-            return unauthorized()
+            return unauthorized(request)
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
@@ -183,12 +188,27 @@ def build_api_app(
     async def stats(request: Request) -> Response:
         """The engine's counters as JSON (module docstring); Bearer key when the server has one."""
         if not has_api_key(request, api_key):
-            return unauthorized()
+            return unauthorized(request)
         body = vars(engine.get_stats()) if engine is not None else models.stats()
         return Response(json.dumps(body), media_type="application/json")
 
     if models is not None:
         add_pool_routes(app, models, api_key)
+
+    @app.api_route("/models/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+    async def other_model_routes(request: Request, rest: str) -> Response:
+        """What is not ``POST /models/load`` or ``/models/unload`` of a many-model server: OpenAI's error shape with
+        what there is (without this route a UI mounted at "/" would answer, in its own words)."""
+        if models is None:
+            return error_response(OpenAIError(404, f"{request.method} {request.url.path}: loading and unloading "
+                                                   "models by hand is for a server of several models (lightinfer "
+                                                   "serve A B ..., or --models-dir); this server keeps its one model "
+                                                   "loaded. The models it serves: GET /v1/models"))
+        if rest in ("load", "unload"):
+            return error_response(OpenAIError(405, f"use POST /models/{rest} with a JSON body {{\"model\": NAME}}"))
+        return error_response(OpenAIError(404, f"{request.method} {request.url.path}: no such route; this server has "
+                                               "POST /models/load and POST /models/unload (body {\"model\": NAME}) "
+                                               "and GET /v1/models"))
 
     # Routes above and /v1 are matched before a catch-all mount at "/" added later (the chat UI).
     v1 = create_openai_app(served, api_key)

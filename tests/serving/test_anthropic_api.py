@@ -236,6 +236,8 @@ BAD = [  # (body, words the message holds)
     (_msg(output_config={"format": {"type": "json_schema", "schema": {"type": "objekt"}}}),
      ["output_config.format.schema"]),
     (_msg(container="c1"), ["container", "not supported"]),
+    (_msg(messages=[{"role": "user", "content": ""}]), ["messages.0.content", "must not be empty"]),
+    (_msg(messages=[{"role": "user", "content": []}]), ["messages.0.content", "must not be empty"]),
 ]
 
 
@@ -258,6 +260,8 @@ def test_other_errors_in_anthropic_shape(client: anthropic.Anthropic, http: http
         client.messages.count_tokens(model="nope", messages=ASK)
     r = http.post("/v1/messages", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = http.post("/v1/messages", content=b"x" * (5 * 2**20), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"  # Anthropic's shape
     r = http.get("/v1/messages")
     assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["type"] == "error"
     r = http.post("/v1/messages/nothing", json={})

@@ -23,10 +23,11 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 class Loader:
-    """Fake engines by model source; ``broken`` sources fail to load; each load takes ``delay`` seconds."""
+    """Fake engines by model source; ``broken`` sources fail to load, ``unreadable`` ones already to be sized (as a
+    truncated file fails when its header is read); each load takes ``delay`` seconds."""
 
-    def __init__(self, delay: float = 0.0, broken: tuple[str, ...] = ()) -> None:
-        self.delay, self.broken = delay, broken
+    def __init__(self, delay: float = 0.0, broken: tuple[str, ...] = (), unreadable: tuple[str, ...] = ()) -> None:
+        self.delay, self.broken, self.unreadable = delay, broken, unreadable
         self.loads: list[str] = []
         self.engines: dict[str, list[weakref.ref]] = {}
 
@@ -40,17 +41,22 @@ class Loader:
         self.engines.setdefault(config.model, []).append(weakref.ref(engine))
         return engine
 
+    def estimate(self, config: EngineConfig) -> int:
+        if config.model in self.unreadable:
+            raise ValueError(f"{config.model} is not a readable GGUF file: its metadata ends early")
+        return 1
+
 
 def make_pool(loader: Loader, names: tuple[str, ...] = ("a", "b", "c"), **kw: Any) -> ModelPool:
     pinned = kw.pop("pinned", ())
     entries = [model_entry(f"/models/{n}.gguf", name=n, pinned=n in pinned) for n in names]
-    return ModelPool(entries, EngineConfig(model="fake", device="cpu"), loader=loader, estimator=lambda c: 1, **kw)
+    return ModelPool(entries, EngineConfig(model="fake", device="cpu"), loader=loader, estimator=loader.estimate, **kw)
 
 
 @pytest.fixture()
 def served() -> Iterator[tuple[LiveServer, Loader, ModelPool]]:
-    loader = Loader(delay=0.3, broken=("/models/c.gguf",))
-    pool = make_pool(loader, names=("a", "b", "c", "d"), max_loaded=2, idle_unload_s=None)
+    loader = Loader(delay=0.3, broken=("/models/c.gguf",), unreadable=("/models/e.gguf",))
+    pool = make_pool(loader, names=("a", "b", "c", "d", "e"), max_loaded=2, idle_unload_s=None)
     live = start_server(build_api_app(models=pool, api_key=KEY), None)
     yield live, loader, pool
     live.stop()
@@ -68,7 +74,7 @@ def states(url: str) -> dict[str, str]:
 
 def test_models_load_on_demand_and_least_recently_used_idle_one_unloads(served: Any) -> None:
     live, loader, _ = served
-    assert states(live.url) == {"a": "unloaded", "b": "unloaded", "c": "unloaded", "d": "unloaded"}
+    assert set(states(live.url).values()) == {"unloaded"}
     card = httpx.get(f"{live.url}/v1/models", headers=AUTH).json()["data"][0]
     assert card["format"] == "gguf" and "size_bytes" not in card  # no such file: size unknown, left out
     first = chat(live.url, "a")
@@ -92,7 +98,7 @@ def test_models_load_on_demand_and_least_recently_used_idle_one_unloads(served: 
     assert chat(live.url, "d").json()["model"] == "d"
     t.join(60)
     assert "[DONE]" in results["b"] and '"finish_reason":"length"' in results["b"]  # b's stream ran to its end
-    assert states(live.url) == {"a": "unloaded", "b": "loaded", "c": "unloaded", "d": "loaded"}
+    assert states(live.url) == {"a": "unloaded", "b": "loaded", "c": "unloaded", "d": "loaded", "e": "unloaded"}
     assert loader.loads == ["/models/a.gguf", "/models/b.gguf", "/models/d.gguf"]
     gc.collect()
     assert loader.engines["/models/a.gguf"][0]() is None  # the unloaded engine is gone, not merely stopped
@@ -122,7 +128,12 @@ def test_unknown_model_and_a_model_that_fails_to_load(served: Any) -> None:
     live, loader, _ = served
     r = chat(live.url, "nope")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-    assert all(f"`{n}`" in r.json()["error"]["message"] for n in "abcd")
+    assert all(f"`{n}`" in r.json()["error"]["message"] for n in "abcde")
+    assert chat(live.url, "a").status_code == 200 and chat(live.url, "b").status_code == 200
+    r = chat(live.url, "e")  # a file that cannot even be opened fails before any model is unloaded for it
+    assert r.status_code == 503 and "metadata ends early" in r.json()["error"]["message"]
+    assert not r.json()["error"]["message"].startswith("ValueError")
+    assert states(live.url)["a"] == "loaded" and states(live.url)["b"] == "loaded"
     r = chat(live.url, "c")
     assert r.status_code == 503, r.text
     err = r.json()["error"]
@@ -208,3 +219,17 @@ def test_serve_command_line_of_several_models(tmp_path: Any) -> None:
                           ([], "name a model to serve")):
         with pytest.raises(ValueError, match=message):
             model_pool(_serve_args(argv))
+
+
+def test_model_routes_answer_in_openai_shape_on_either_server() -> None:
+    from fastapi.testclient import TestClient
+
+    one = TestClient(build_api_app(fake_engine()))
+    r = one.post("/models/load", json={"model": "x"})
+    assert r.status_code == 404 and "server of several models" in r.json()["error"]["message"]
+    many = TestClient(build_api_app(models=make_pool(Loader(), names=("a", "b"))))
+    r = many.get("/models/load")
+    assert r.status_code == 405 and "use POST /models/load" in r.json()["error"]["message"]
+    assert many.post("/models/nothing").status_code == 404
+    r = many.post("/models/load", json={"model": "a"}, headers={})
+    assert r.status_code == 200 and r.json()["state"] == "loaded"
