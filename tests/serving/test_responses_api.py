@@ -281,6 +281,8 @@ BAD = [
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "does not store responses"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "must be one of"),
     ({"input": []}, "input", "must not be empty"),
+    ({"input": " "}, "input", "must not be empty"),
+    ({"input": 5}, "input", "valid string"),  # named by the field, not by pydantic's union member (input.str)
     ({"reasoning": {"effort": "high"}}, "reasoning", "not supported"),
     ({"truncation": "auto"}, "truncation", "not supported"),
     ({"include": ["message.output_text.logprobs"]}, "include", "cannot be included"),
