@@ -311,6 +311,10 @@ def _reshaped_on_messages_paths(handler: Handler) -> Handler:
             err = OpenAIError(response.status_code, e["message"], e.get("type") or "", e.get("param"), e.get("code"))
         except (ValueError, KeyError, TypeError):  # not an OpenAI error body: said as it was
             err = OpenAIError(response.status_code, bytes(response.body).decode("utf-8", "replace"))
+        unknown = re.match(r"Unrecognized request arguments? supplied: (.+)$", err.body.error.message)
+        if unknown:  # Anthropic's own words for a field it does not know
+            err = OpenAIError(err.status, "; ".join(f"{name}: Extra inputs are not permitted"
+                                                    for name in unknown.group(1).split(", ")), param=err.body.error.param)
         status, body = anthropic_error(err)
         reshaped = JSONResponse(body.model_dump(), status_code=status)
         if "allow" in response.headers:  # a 405 says which methods the route takes

@@ -224,7 +224,7 @@ BAD = [  # (body, words the message holds)
     (_msg(thinking={"type": "enabled", "budget_tokens": 2048}), ["thinking", "extended thinking", "not supported"]),
     (_msg(messages=[*ASK, {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"}]},
                     *ASK]), ["thinking blocks are not supported"]),
-    (_msg(max_tokenz=3), ["Unrecognized request argument supplied: max_tokenz"]),
+    (_msg(max_tokenz=3), ["max_tokenz: Extra inputs are not permitted"]),
     (_msg(temperature=1.5), ["temperature", "less than or equal to 1"]),
     (_msg(messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9"}]}]),
      ["messages.0.content.0.tool_use_id", "matches no tool_use block"]),
