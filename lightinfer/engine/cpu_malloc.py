@@ -52,3 +52,15 @@ def tune_malloc_for_cpu_inference() -> bool:
     logger.debug("glibc malloc: mmap threshold %d, trim threshold %d (%s)", MMAP_THRESHOLD_BYTES,
                  TRIM_THRESHOLD_BYTES, "set" if ok else "refused")
     return ok
+
+
+def trim_heap() -> bool:
+    """Hand glibc's free heap memory back to the system now (``malloc_trim(0)``): after a large release, such as a
+    model unloaded, that the trim threshold above would otherwise keep for reuse. False off glibc."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError) as e:
+        logger.debug("malloc_trim unavailable: %s", e)
+        return False

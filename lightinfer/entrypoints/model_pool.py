@@ -21,7 +21,6 @@ system (the CUDA caching allocator's blocks are released; on a CPU glibc's free 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import gc
 import logging
 import time
@@ -32,13 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from lightinfer.config import EngineConfig
+from lightinfer.engine.cpu_malloc import trim_heap
 from lightinfer.entrypoints import protocol as P
 from lightinfer.entrypoints.openai_errors import OpenAIError
 from lightinfer.entrypoints.openai_serving import OpenAIServing
 from lightinfer.entrypoints.served_models import check_model_name, unknown_model_error
 
 logger = logging.getLogger(__name__)
-STATES = ("unloaded", "loading", "loaded", "error")
 
 
 @dataclass
@@ -193,10 +192,7 @@ def release_memory() -> None:
             torch.cuda.empty_cache()
     except Exception:
         logger.debug("emptying the CUDA cache failed", exc_info=True)
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    trim_heap()
 
 
 PARK_AFTER_S = 2.0  # an idle model's engine thread ends after this long (AsyncLLMEngine's park_after_s)
