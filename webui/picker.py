@@ -49,7 +49,7 @@ class ModelTarget:
             return
         assert self.models is not None
         async with self.models.use(model or self.models.default_name) as serving:
-            yield serving.engine, serving.inputs, serving._prep
+            yield serving.engine, serving.inputs, serving.prep
 
 
 def model_choices(models: ModelPool) -> list[tuple[str, str]]:

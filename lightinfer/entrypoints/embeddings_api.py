@@ -204,7 +204,7 @@ def register_embeddings_routes(app: FastAPI, models: ServedModels) -> None:
             except ValueError as exc:
                 raise as_openai_error(exc) from exc
             # tokenizing on the serving's preparation thread, where its processor lives (openai_serving.py)
-            requests = await serving._off_loop(prepare_embeddings, inputs, items, req.dimensions)
+            requests = await serving.off_loop(prepare_embeddings, inputs, items, req.dimensions)
             subs = await serving.submit(requests)
         logger.info("embedding request %s: %d input(s), %d tokens", subs[0][0], len(requests),
                     sum(len(r.prompt_token_ids) for r in requests))

@@ -432,7 +432,7 @@ class ModelPool:
         if serving is None:
             return
         engine = serving.engine
-        serving._prep.shutdown(wait=False)
+        serving.prep.shutdown(wait=False)
         await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
         del serving, engine
         release_memory()

@@ -86,11 +86,11 @@ class OpenAIServing:
         self.inputs = engine.input_processor.copy(tool_call_parser=tool_call_parser)
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # used on the event loop only
         self.max_model_len = self.inputs.max_model_len
-        self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightinfer-inputs")
+        self.prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightinfer-inputs")  # the preparation thread
 
-    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the preparation thread; its exceptions come back here."""
-        return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.prep, fn, *args)
 
     # ------------------------------------------------------------------ request -> engine
     def check_model(self, model: str) -> None:
@@ -172,7 +172,7 @@ class OpenAIServing:
             self.inputs.check_text_size(sum(len(m.text()) for m in req.messages), "messages")
         except ValueError as exc:
             raise as_openai_error(exc) from exc
-        return await self._off_loop(self._chat_request, req, top, fit_context)
+        return await self.off_loop(self._chat_request, req, top, fit_context)
 
     async def count_chat_tokens(self, req: P.ChatCompletionRequest) -> int:
         """The prompt tokens :meth:`prepare_chat` would make of ``req`` (template, tools and the tool prompt
@@ -186,7 +186,7 @@ class OpenAIServing:
             self.inputs.check_text_size(sum(len(m.text()) for m in req.messages), "messages")
         except ValueError as exc:
             raise as_openai_error(exc) from exc
-        prompt, _ = await self._off_loop(self._render_chat, req)
+        prompt, _ = await self.off_loop(self._render_chat, req)
         return len(prompt.prompt_token_ids)
 
     def _completion_requests(self, req: P.CompletionRequest) -> tuple[list[EngineRequest], list[str]]:
@@ -219,7 +219,7 @@ class OpenAIServing:
                     self.inputs.check_text_size(len(item), "prompt")
         except ValueError as exc:
             raise as_openai_error(exc) from exc
-        return await self._off_loop(self._completion_requests, req)
+        return await self.off_loop(self._completion_requests, req)
 
     def _process(self, prompt: Any, params: SamplingParams, structured_field: str | None = None) -> EngineRequest:
         try:
